@@ -88,6 +88,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Rank 0 prepares the dataset if needed; the others wait and learn whether it worked.
     error = [None]
     if dist.is_main:
+        if not (cfg.data.resolved_dir() / "manifest.json").is_file():
+            print(
+                f"preparing {cfg.data.corpus} ({cfg.data.tokenizer}) into {cfg.data.resolved_dir()}",
+                flush=True,
+            )
         try:
             prepare(cfg.data)
         except DataError as e:
@@ -107,8 +112,17 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from pretrain.prepare import prepare
 
     cfg = _config(args, None)
+    from pretrain.prepare import load_manifest
+
     out = prepare(cfg.data, force=args.force)
-    print(f"dataset ready in {out}")
+    m = load_manifest(out)
+    counts = ", ".join(
+        f"{split} {sum(s['n_tokens'] for s in m[split]):,} tokens / {sum(s['n_docs'] for s in m[split])} docs"
+        for split in ("train", "val")
+    )
+    print(
+        f"dataset ready in {out}: {counts}, vocab {m['tokenizer']['vocab_size']} ({m['tokenizer']['type']})"
+    )
     return 0
 
 

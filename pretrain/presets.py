@@ -38,10 +38,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         **_CHAR,
         "model": {"n_layer": 2, "n_head": 2, "n_embd": 128, "block_size": 256},
         "optimizer": {"lr": 2e-3},
-        "schedule": {"max_steps": 300, "warmup_steps": 30},
+        "schedule": {"max_steps": 1500, "warmup_steps": 100},
         "batch": {"micro_batch_size": 16, "gradient_accumulation_steps": 1},
-        "checkpoint": {"interval": 100, "keep_last": 2},
-        "logging": {"log_interval": 10, "eval_interval": 100, "eval_batches": 10},
+        "checkpoint": {"interval": 500, "keep_last": 2},
+        "logging": {"log_interval": 25, "eval_interval": 250, "eval_batches": 20},
     },
     "small": {
         **_CHAR,

@@ -18,6 +18,7 @@ from pretrain.engine import Dist
 from pretrain.evaluate import evaluate, sample
 from pretrain.loader import ShardedLoader
 from pretrain.metrics import MetricsLog
+from pretrain.model import analytic_num_params
 from pretrain.prepare import load_manifest
 from pretrain.schedule import lr_at
 from pretrain.tokenizer import load_tokenizer
@@ -75,6 +76,20 @@ def train(cfg: RunConfig, dist: Dist, resume: bool = False) -> TrainResult:
 
     train_data = loader("train", b.gradient_accumulation_steps, shuffle=True)
     val_data = loader("val", 1, shuffle=False)
+    if dist.is_main:
+        n_train = sum(s["n_tokens"] for s in manifest["train"])
+        n_val = sum(s["n_tokens"] for s in manifest["val"])
+        print(
+            f"{cfg.preset}: {analytic_num_params(cfg.model) / 1e6:.2f}M params, {cfg.model.n_layer} layers, "
+            f"{cfg.precision.name}, ZeRO-{cfg.zero.stage}{' + offload' if cfg.zero.offload_optimizer else ''}, "
+            f"world size {dist.world_size}\n"
+            f"batch {b.micro_batch_size} x {b.gradient_accumulation_steps} x {dist.world_size} = "
+            f"{b.train_batch_size} sequences = {b.train_batch_size * cfg.model.block_size:,} tokens/step, "  # type: ignore[operator]
+            f"{cfg.schedule.max_steps} steps\n"
+            f"data {data_dir}: {n_train:,} train / {n_val:,} val tokens, vocab {tokenizer.vocab_size}\n"
+            f"run dir {run_dir}",
+            flush=True,
+        )
 
     step, tokens_seen = 0, 0
     if resume and (tag := checkpoint.latest_tag(ckpt_dir)) is not None:

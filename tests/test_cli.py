@@ -1,0 +1,163 @@
+"""End to end through the command line: prepare, train, resume; the deepspeed launcher; bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, TINY_SHAKESPEARE, require_shared_data, subprocess_env
+
+BIN = Path(sys.executable).parent
+
+SMALL = [
+    "--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2",
+    "--set", "model.block_size=32", "--set", "batch.micro_batch_size=4", "--set", "schedule.warmup_steps=1",
+    "--set", "logging.log_interval=1", "--set", "logging.eval_interval=3", "--set", "logging.eval_batches=2",
+    "--set", "logging.sample_tokens=20", "--set", "checkpoint.interval=3", "--set", "checkpoint.keep_last=2",
+]  # fmt: skip
+
+
+def run(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        args, cwd=cwd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def steps_logged(run_dir: Path) -> list[int]:
+    with (run_dir / "metrics.csv").open() as f:
+        return [int(r["step"]) for r in csv.DictReader(f) if r["loss"]]
+
+
+def test_prepare_train_resume(tmp_path):
+    require_shared_data()
+    data = [f"--set=data.corpus={TINY_SHAKESPEARE}", f"--set=data.dataset_dir={tmp_path / 'data'}"]
+    run_dir = tmp_path / "run"
+    out = run([str(BIN / "pretrain"), "prepare", *data], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "train 1,003,854 tokens" in out.stdout and "vocab 65" in out.stdout
+
+    common = [*data, *SMALL, f"--set=logging.run_dir={run_dir}"]
+    first = run([str(BIN / "pretrain"), "train", *common, "--set", "schedule.max_steps=6"], tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert steps_logged(run_dir) == [1, 2, 3, 4, 5, 6]
+    assert "--- sample" in first.stdout and "val_loss" in first.stdout
+    for name in ["config.yaml", "ds_config.json", "versions.json", "metrics.csv"]:
+        assert (run_dir / name).is_file(), name
+    versions = json.loads((run_dir / "versions.json").read_text())
+    assert versions["versions"]["deepspeed"] and "commit" in versions["code"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "latest",
+        "step_00000003",
+        "step_00000006",
+    ]
+
+    second = run(
+        [str(BIN / "pretrain"), "train", *common, "--resume", "--set", "schedule.max_steps=10"], tmp_path
+    )
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "at step 6" in second.stdout
+    assert steps_logged(run_dir) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    # keep_last=2: the newest two remain
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "latest",
+        "step_00000009",
+        "step_00000010",
+    ]
+
+
+def test_deepspeed_launcher_two_ranks_with_a_ds_config(tmp_path):
+    """`deepspeed pretrain/main.py --ds ds_configs/zero2_offload.json`, with the launcher's --local_rank."""
+    require_shared_data()
+    run_dir = tmp_path / "run"
+    cmd = [
+        str(BIN / "deepspeed"), "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", "29533",
+        str(ROOT / "pretrain" / "main.py"), "--ds", str(ROOT / "ds_configs" / "zero2_offload.json"),
+        "--set", "batch.data_parallel_size=2", "--set", "batch.gradient_accumulation_steps=2",
+        "--set", "precision.bf16=false", "--set", "model.activation_checkpointing=false",
+        f"--set=data.corpus={TINY_SHAKESPEARE}", f"--set=data.dataset_dir={tmp_path / 'data'}",
+        *SMALL, f"--set=logging.run_dir={run_dir}", "--set", "schedule.max_steps=4",
+    ]  # fmt: skip
+    out = run(cmd, tmp_path, timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "--local_rank=" in out.stdout + out.stderr  # the launcher injected it and main.py accepted it
+    assert steps_logged(run_dir) == [1, 2, 3, 4]
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["train_batch_size"] == 4 * 2 * 2
+    assert (run_dir / "checkpoints" / "step_00000003" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+
+
+def one_screen_error(out: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr and "Traceback" not in out.stdout
+    assert out.stderr.startswith("error: ")
+    assert len(out.stderr.splitlines()) < 25
+    for needle in needles:
+        assert needle in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("command", ["train", "prepare"])
+def test_bad_config_is_a_one_screen_error(tmp_path, command):
+    out = run(
+        [
+            str(BIN / "pretrain"),
+            command,
+            "--set",
+            "model.n_embd=100",
+            "--set",
+            "model.n_head=3",
+            "--set",
+            "zero.stage=7",
+            "--set",
+            "optimizer.lrr=1",
+        ],
+        tmp_path,
+    )
+    one_screen_error(
+        out,
+        "model: n_embd (100) must be divisible by n_head (3)",
+        "zero.stage",
+        "optimizer.lrr: unknown field (did you mean 'lr'?)",
+    )
+
+
+def test_missing_corpus_is_a_one_screen_error(tmp_path):
+    out = run(
+        [
+            str(BIN / "pretrain"),
+            "train",
+            f"--set=data.corpus={tmp_path / 'nope.txt'}",
+            f"--set=data.dataset_dir={tmp_path / 'data'}",
+        ],
+        tmp_path,
+    )
+    one_screen_error(out, str(tmp_path / "nope.txt"))
+    assert not (tmp_path / "data").exists()
+
+
+def test_unknown_deepspeed_key_is_a_one_screen_error(tmp_path):
+    ds = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+    ds["gradient_clippping"] = 1.0
+    ds["zero_optimization"]["stage3_bogus"] = 1
+    bad = tmp_path / "bad_ds.json"
+    bad.write_text(json.dumps(ds))
+    out = run([str(BIN / "pretrain"), "render", "--ds", str(bad), "--world-size", "16"], tmp_path)
+    one_screen_error(
+        out, "'gradient_clippping' is not a DeepSpeed config key (did you mean 'gradient_clipping'?)"
+    )
+    del ds["gradient_clippping"]
+    bad.write_text(json.dumps(ds))
+    out = run([str(BIN / "pretrain"), "render", "--ds", str(bad), "--world-size", "16"], tmp_path)
+    one_screen_error(out, "stage3_bogus")
+
+
+def test_render_all_check_passes_on_the_committed_files(tmp_path):
+    out = run(
+        [str(BIN / "pretrain"), "render", "--all", "--check", "--out-dir", str(ROOT / "ds_configs")], tmp_path
+    )
+    assert out.returncode == 0, out.stderr
