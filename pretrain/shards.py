@@ -11,8 +11,9 @@ Layout (little-endian):
         32    32  sha256 of the payload
         64     …  payload: token count × item size bytes
 
-Shards are written atomically (temp file, fsync, rename), so a shard that exists is whole;
-a reader still checks the size and, unless told not to, the checksum.
+Shards are written atomically (temp file, header last, fsync, rename), so a shard that exists
+is whole; a reader still checks the size and, unless told not to, the checksum. `ShardWriter`
+streams a split into numbered shards of a set size.
 """
 
 from __future__ import annotations
@@ -75,6 +76,119 @@ def write_shard(path: str | Path, tokens: np.ndarray, n_docs: int) -> ShardInfo:
     finally:
         tmp.unlink(missing_ok=True)
     return ShardInfo(path, _DTYPES[code], int(payload.size), n_docs, digest.hex())
+
+
+class _OpenShard:
+    """A shard being written: under a temporary name, header zeroed until it is finished."""
+
+    def __init__(self, path: Path, code: int) -> None:
+        self.path = path
+        self.tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        self.code = code
+        self.f = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish/discard
+        self.f.write(b"\0" * HEADER_SIZE)
+        self.sha = hashlib.sha256()
+        self.n_tokens = 0
+        self.n_docs = 0
+
+    def write(self, payload: np.ndarray, n_docs: int) -> None:
+        data = payload.data.cast("B")
+        self.f.write(data)
+        self.sha.update(data)
+        self.n_tokens += payload.size
+        self.n_docs += n_docs
+
+    def finish(self) -> ShardInfo:
+        """Header, fsync, rename: only now does a file of the shard's name exist."""
+        digest = self.sha.digest()
+        self.f.seek(0)
+        self.f.write(_HEADER.pack(MAGIC, VERSION, self.code, self.n_tokens, self.n_docs, digest))
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        os.replace(self.tmp, self.path)
+        return ShardInfo(self.path, _DTYPES[self.code], self.n_tokens, self.n_docs, digest.hex())
+
+    def payload(self) -> np.ndarray:
+        self.f.flush()
+        return np.fromfile(self.tmp, dtype=_DTYPES[self.code], offset=HEADER_SIZE)
+
+    def discard(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+class ShardWriter:
+    """One split's token stream, written as `{prefix}_00000.bin`, `{prefix}_00001.bin`, ... of
+    `shard_tokens` tokens each, in constant memory.
+
+    The last shard would often be a sliver too short for a block of context, so a full shard
+    stays open until the next one is full too: at `close` a rest under half a shard is appended to
+    it (shards hold half to 1.5 times shard_tokens, unless the split is smaller). A document's
+    count goes to the shard where it ends; documents may span shards. A shard appears under its
+    final name only once it is complete; `abort` removes all of them."""
+
+    def __init__(self, directory: str | Path, prefix: str, dtype: np.dtype, shard_tokens: int) -> None:
+        if np.dtype(dtype).itemsize not in _DTYPES:
+            raise ValueError(f"dtype must be uint16 or uint32, got {dtype}")
+        self.directory = Path(directory)
+        self.prefix = prefix
+        self.code = np.dtype(dtype).itemsize
+        self.shard_tokens = shard_tokens
+        self.shards: list[ShardInfo] = []
+        self.n_tokens = 0
+        self.n_docs = 0
+        self._previous: _OpenShard | None = None
+        self._current: _OpenShard | None = None
+        self._index = 0
+
+    def _open(self) -> _OpenShard:
+        shard = _OpenShard(self.directory / f"{self.prefix}_{self._index:05d}.bin", self.code)
+        self._index += 1
+        return shard
+
+    def write(self, tokens: np.ndarray, doc_lengths: np.ndarray | list[int]) -> None:
+        """Append documents: their tokens concatenated, and each one's token count."""
+        payload = np.ascontiguousarray(tokens, dtype=_DTYPES[self.code])
+        ends = np.cumsum(doc_lengths)
+        if len(ends) and ends[-1] != payload.size:
+            raise ValueError(f"doc_lengths sum to {ends[-1]}, tokens hold {payload.size}")
+        done = 0
+        while done < payload.size:
+            if self._current is None or self._current.n_tokens >= self.shard_tokens:
+                if self._previous is not None:
+                    self.shards.append(self._previous.finish())
+                self._previous, self._current = self._current, self._open()
+            take = min(self.shard_tokens - self._current.n_tokens, payload.size - done)
+            n_docs = int(
+                np.searchsorted(ends, done + take, side="right") - np.searchsorted(ends, done, side="right")
+            )
+            self._current.write(payload[done : done + take], n_docs)
+            done += take
+        self.n_tokens += payload.size
+        self.n_docs += len(ends)
+
+    def close(self) -> list[ShardInfo]:
+        cur, prev = self._current, self._previous
+        if cur is not None and prev is not None and cur.n_tokens < self.shard_tokens // 2:
+            prev.write(cur.payload(), cur.n_docs)
+            cur.discard()
+            cur = None
+        for shard in (prev, cur):
+            if shard is not None:
+                self.shards.append(shard.finish())
+        self._current = self._previous = None
+        return self.shards
+
+    def abort(self) -> None:
+        """Remove everything this writer wrote, finished shards included."""
+        for shard in (self._previous, self._current):
+            if shard is not None:
+                shard.discard()
+        for info in self.shards:
+            info.path.unlink(missing_ok=True)
+        self._current = self._previous = None
+        self.shards = []
 
 
 def read_header(path: str | Path) -> ShardInfo:

@@ -1,24 +1,33 @@
 """Tokenizers: text → token ids.
 
-Two kinds: a character vocabulary fit on the corpus (nanoGPT's shakespeare_char), and GPT-2's
-BPE through tiktoken, read from a local rank file (offline) or fetched by tiktoken (online).
-Each has a `fingerprint()`, a sha256 of its vocabulary, that a prepared dataset records so a
-run can refuse tokens produced by another vocabulary.
+Three kinds:
+- `char`: one token per character, the vocabulary fit on the corpus (nanoGPT's shakespeare_char);
+- `gpt2`: GPT-2's BPE through tiktoken, its ranks read from a local file or directory (offline)
+  or fetched by tiktoken (online);
+- `bpe`: a byte-level BPE trained on the corpus (`train_bpe`) and run through `tiktoken.Encoding`.
+
+Each has a `fingerprint()`, a sha256 of its vocabulary or ranks, that a prepared dataset records
+so that a run can refuse tokens produced by another vocabulary.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
+import heapq
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, TypeAlias
 
 import numpy as np
+import regex
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
+from tiktoken.load import data_gym_to_mergeable_bpe_ranks, load_tiktoken_bpe
 from tiktoken_ext.openai_public import r50k_pat_str
 
 from pretrain.corpus import DataError
@@ -26,6 +35,15 @@ from pretrain.corpus import DataError
 ENDOFTEXT = "<|endoftext|>"
 GPT2_EOT = 50256
 GPT2_VOCAB_SIZE = 50257
+BPE_RANKS_FILE = "tokenizer.tiktoken"
+# Where tiktoken fetches GPT-2's ranks (tiktoken_ext.openai_public): its cache names files by their sha1.
+_OPENAI = "https://openaipublic.blob.core.windows.net/"
+GPT2_URLS = {
+    "gpt2.tiktoken": _OPENAI + "encodings/r50k_base.tiktoken",
+    "vocab.bpe": _OPENAI + "gpt-2/encodings/main/vocab.bpe",
+    "encoder.json": _OPENAI + "gpt-2/encodings/main/encoder.json",
+}
+_PRETOKENIZE = regex.compile(r50k_pat_str)
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -41,8 +59,10 @@ def _read_json(path: str | Path) -> dict[str, Any]:
         raise DataError(f"{path}: tokenizer file not found") from e
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{path}: not a readable tokenizer JSON ({e})") from e
-    if not isinstance(obj, dict) or obj.get("type") not in ("char", "gpt2"):
-        raise DataError(f"{path}: not a tokenizer file (expected a JSON object with type 'char' or 'gpt2')")
+    if not isinstance(obj, dict) or obj.get("type") not in ("char", "gpt2", "bpe"):
+        raise DataError(
+            f"{path}: not a tokenizer file (expected a JSON object with type 'char', 'gpt2' or 'bpe')"
+        )
     return obj
 
 
@@ -85,6 +105,9 @@ class CharTokenizer:
             )
         return ids.astype(np.int64)
 
+    def encode_batch(self, texts: list[str], dtype: np.dtype) -> list[np.ndarray]:
+        return [self.encode_array(t).astype(dtype) for t in texts]
+
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self.encode_array(text)]
 
@@ -112,59 +135,126 @@ class CharTokenizer:
             raise DataError(f"{path}: {e}") from e
 
 
-class TiktokenTokenizer:
-    """GPT-2's byte-level BPE (50257 tokens, <|endoftext|> = 50256).
+# ---------------------------------------------------------------------------------------------
+# tiktoken-based: GPT-2 and the corpus-trained BPE
 
-    With `rank_path` the ranks come from a local `gpt2.tiktoken` file and nothing is fetched;
-    without it `tiktoken.get_encoding("gpt2")` downloads them on first use.
+
+@contextlib.contextmanager
+def _tiktoken_cache_dir(value: str) -> Iterator[None]:
+    """tiktoken's loaders read TIKTOKEN_CACHE_DIR on each call; '' turns its cache off, so that
+    local files are read in place, not copied into it."""
+    old = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TIKTOKEN_CACHE_DIR"]
+        else:
+            os.environ["TIKTOKEN_CACHE_DIR"] = old
+
+
+def _ranks_sha256(ranks: dict[bytes, int]) -> str:
+    """sha256 of the ranks in tiktoken's file format (base64 token, rank; by rank): for GPT-2 the
+    sha256 of gpt2.tiktoken itself, the hash tiktoken pins, whichever way the ranks were loaded."""
+    h = hashlib.sha256()
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        h.update(base64.b64encode(token) + b" " + str(rank).encode() + b"\n")
+    return h.hexdigest()
+
+
+def _load_ranks_file(path: Path) -> dict[bytes, int]:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the rank file: {e.strerror or e}") from e
+    try:
+        with _tiktoken_cache_dir(""):
+            return load_tiktoken_bpe(str(path), expected_hash=hashlib.sha256(data).hexdigest())
+    except (ValueError, IndexError) as e:
+        raise DataError(f"{path}: not a tiktoken rank file ({e})") from e
+
+
+def _gpt2_ranks(path: Path | None) -> dict[bytes, int]:
+    """GPT-2's ranks from a gpt2.tiktoken file; a directory holding gpt2.tiktoken, or vocab.bpe +
+    encoder.json, or tiktoken's own cache of them; or (None) tiktoken's download."""
+    if path is None:
+        try:
+            return tiktoken.get_encoding("gpt2")._mergeable_ranks
+        except Exception as e:
+            raise DataError(
+                f"cannot load tiktoken's 'gpt2' encoding ({type(e).__name__}: {e}); offline, set "
+                "data.tokenizer_path to a local gpt2.tiktoken file or a directory holding it"
+            ) from e
+    if path.is_file():
+        return _load_ranks_file(path)
+    if not path.is_dir():
+        raise DataError(f"{path}: no such GPT-2 rank file or directory (data.tokenizer_path)")
+    if (path / "gpt2.tiktoken").is_file():
+        return _load_ranks_file(path / "gpt2.tiktoken")
+    if (path / "vocab.bpe").is_file() and (path / "encoder.json").is_file():
+        try:
+            with _tiktoken_cache_dir(""):
+                return data_gym_to_mergeable_bpe_ranks(str(path / "vocab.bpe"), str(path / "encoder.json"))
+        except (ValueError, KeyError, OSError) as e:
+            raise DataError(f"{path}: vocab.bpe + encoder.json are not GPT-2's ({e})") from e
+    # tiktoken's cache: each file named by the sha1 of the URL it was downloaded from.
+    cached = {name: path / hashlib.sha1(url.encode()).hexdigest() for name, url in GPT2_URLS.items()}
+    if cached["gpt2.tiktoken"].is_file():
+        return _load_ranks_file(cached["gpt2.tiktoken"])
+    if cached["vocab.bpe"].is_file() and cached["encoder.json"].is_file():
+        try:
+            with _tiktoken_cache_dir(""):
+                return data_gym_to_mergeable_bpe_ranks(str(cached["vocab.bpe"]), str(cached["encoder.json"]))
+        except (ValueError, KeyError, OSError) as e:
+            raise DataError(
+                f"{path}: tiktoken's cached vocab.bpe + encoder.json are not GPT-2's ({e})"
+            ) from e
+    raise DataError(
+        f"{path}: holds no gpt2.tiktoken, no vocab.bpe + encoder.json, and no tiktoken cache of them "
+        "(data.tokenizer_path)"
+    )
+
+
+class TiktokenTokenizer:
+    """GPT-2's byte-level BPE (50257 tokens, <|endoftext|> = 50256), encoded by tiktoken.
+
+    With `rank_path` (a file or a directory, see `_gpt2_ranks`) nothing is fetched; without it
+    `tiktoken.get_encoding("gpt2")` downloads the ranks on first use.
     """
 
     kind = "gpt2"
-    eot_token: int | None = GPT2_EOT
 
     def __init__(self, rank_path: str | Path | None = None) -> None:
-        self.rank_path = Path(rank_path) if rank_path is not None else None
+        self.rank_path = Path(os.path.expanduser(rank_path)) if rank_path is not None else None
+        ranks = _gpt2_ranks(self.rank_path)
+        where = self.rank_path or "tiktoken's gpt2"
+        if len(ranks) + 1 != GPT2_VOCAB_SIZE:
+            raise DataError(f"{where}: expected {GPT2_VOCAB_SIZE} tokens, the ranks give {len(ranks) + 1}")
+        self._init(ranks, "gpt2")
+
+    def _init(self, ranks: dict[bytes, int], name: str) -> None:
+        eot = len(ranks)
+        try:
+            # A fresh Encoding, not tiktoken's registered one: it pickles whole into worker processes.
+            self.enc = tiktoken.Encoding(
+                name=name, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={ENDOFTEXT: eot}
+            )
+        except ValueError as e:
+            raise DataError(f"{name}: ranks rejected by tiktoken ({e})") from e
+        self.eot_token: int | None = eot
         self._fingerprint: str | None = None
-        if self.rank_path is None:
-            try:
-                self.enc = tiktoken.get_encoding("gpt2")
-            except Exception as e:
-                raise DataError(
-                    f"cannot load tiktoken's 'gpt2' encoding ({type(e).__name__}: {e}); offline, set "
-                    "data.tokenizer_path to a local gpt2.tiktoken rank file"
-                ) from e
-        else:
-            try:
-                data = self.rank_path.read_bytes()
-            except OSError as e:
-                raise DataError(
-                    f"{self.rank_path}: cannot read the GPT-2 rank file: {e.strerror or e}"
-                ) from e
-            # expected_hash keeps tiktoken's path-keyed file cache from serving a stale copy.
-            sha = hashlib.sha256(data).hexdigest()
-            try:
-                ranks = load_tiktoken_bpe(str(self.rank_path), expected_hash=sha)
-            except ValueError as e:
-                raise DataError(f"{self.rank_path}: not a tiktoken rank file ({e})") from e
-            try:
-                self.enc = tiktoken.Encoding(
-                    name="gpt2",
-                    pat_str=r50k_pat_str,
-                    mergeable_ranks=ranks,
-                    special_tokens={ENDOFTEXT: GPT2_EOT},
-                )
-            except ValueError as e:
-                raise DataError(f"{self.rank_path}: not GPT-2's ranks ({e})") from e
-        if self.enc.n_vocab != GPT2_VOCAB_SIZE:
-            where = self.rank_path or "tiktoken's gpt2"
-            raise DataError(f"{where}: expected {GPT2_VOCAB_SIZE} tokens, the ranks give {self.enc.n_vocab}")
 
     @property
     def vocab_size(self) -> int:
-        return GPT2_VOCAB_SIZE
+        return int(self.enc.n_vocab)
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.enc.encode_ordinary(text), dtype=np.int64)
+
+    def encode_batch(self, texts: list[str], dtype: np.dtype) -> list[np.ndarray]:
+        # One thread: prepare runs one process per core.
+        return [np.array(ids, dtype=dtype) for ids in self.enc.encode_ordinary_batch(texts, num_threads=1)]
 
     def encode(self, text: str) -> list[int]:
         # encode_ordinary: text that happens to contain "<|endoftext|>" is plain text here.
@@ -174,21 +264,132 @@ class TiktokenTokenizer:
         return self.enc.decode(list(ids))
 
     def fingerprint(self) -> str:
-        """sha256 of the ranks in tiktoken's file format (base64 token, rank; by rank).
-
-        Equal to the sha256 of gpt2.tiktoken itself, the hash tiktoken pins, whichever way the
-        ranks were loaded.
-        """
         if self._fingerprint is None:
-            ranks = sorted(self.enc._mergeable_ranks.items(), key=lambda kv: kv[1])
-            h = hashlib.sha256()
-            for token, rank in ranks:
-                h.update(base64.b64encode(token) + b" " + str(rank).encode() + b"\n")
-            self._fingerprint = h.hexdigest()
+            self._fingerprint = _ranks_sha256(self.enc._mergeable_ranks)
         return self._fingerprint
 
     def save(self, path: str | Path) -> None:
         _write_json(Path(path), {"type": "gpt2", "ranks_sha256": self.fingerprint()})
+
+
+class BPETokenizer(TiktokenTokenizer):
+    """A byte-level BPE trained on the corpus: 256 byte tokens, the merges in order, then
+    <|endoftext|>. Pre-tokenized with GPT-2's pattern and encoded by tiktoken."""
+
+    kind = "bpe"
+
+    def __init__(self, ranks: dict[bytes, int]) -> None:  # not the GPT-2 loader of the base class
+        self.rank_path = None
+        if sorted(ranks.values()) != list(range(len(ranks))) or any(
+            bytes([b]) not in ranks for b in range(256)
+        ):
+            raise DataError("BPE ranks must be 0..n-1 and include all 256 single bytes")
+        self._init(ranks, f"bpe{len(ranks) + 1}")
+
+    @classmethod
+    def train(cls, word_counts: dict[bytes, int], vocab_size: int) -> BPETokenizer:
+        return cls(train_bpe(word_counts, vocab_size))
+
+    def save(self, path: str | Path) -> None:
+        """tokenizer.json, and the ranks in tiktoken's format next to it."""
+        path = Path(path)
+        ranks = sorted(self.enc._mergeable_ranks.items(), key=lambda kv: kv[1])
+        lines = b"".join(base64.b64encode(tok) + b" " + str(rank).encode() + b"\n" for tok, rank in ranks)
+        tmp = path.with_name(f"{BPE_RANKS_FILE}.tmp-{os.getpid()}")
+        tmp.write_bytes(lines)
+        os.replace(tmp, path.with_name(BPE_RANKS_FILE))
+        _write_json(
+            path,
+            {
+                "type": "bpe",
+                "vocab_size": self.vocab_size,
+                "ranks_file": BPE_RANKS_FILE,
+                "ranks_sha256": self.fingerprint(),
+            },
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> BPETokenizer:
+        path = Path(path)
+        obj = _read_json(path)
+        ranks_file = obj.get("ranks_file")
+        if obj["type"] != "bpe" or not isinstance(ranks_file, str):
+            raise DataError(f"{path}: not a bpe tokenizer file (expected type 'bpe' and 'ranks_file')")
+        tok = cls(_load_ranks_file(path.with_name(ranks_file)))
+        if tok.fingerprint() != obj.get("ranks_sha256") or tok.vocab_size != obj.get("vocab_size"):
+            raise DataError(
+                f"{path.with_name(ranks_file)}: ranks of sha256 {tok.fingerprint()} and vocab {tok.vocab_size}, "
+                f"but {path.name} says {obj.get('ranks_sha256')} and {obj.get('vocab_size')}"
+            )
+        return tok
+
+
+def count_words(text: str, counts: Counter[bytes]) -> None:
+    """Add the text's pre-tokenized words (GPT-2's pattern, as UTF-8 bytes) to counts."""
+    counts.update(w.encode("utf-8", errors="surrogatepass") for w in _PRETOKENIZE.findall(text))
+
+
+def train_bpe(word_counts: dict[bytes, int], vocab_size: int) -> dict[bytes, int]:
+    """Byte-level BPE: repeatedly merge the most frequent adjacent pair of tokens in the words
+    (ties broken by the pair's bytes, so the result is deterministic) until the ranks plus
+    <|endoftext|> make vocab_size. Returns tiktoken mergeable ranks."""
+    n_merges = vocab_size - 257
+    if n_merges < 1:
+        raise ValueError(
+            f"vocab_size must be at least 258 (256 bytes, a merge, end-of-text), got {vocab_size}"
+        )
+    vocab: list[bytes] = [bytes([i]) for i in range(256)]
+    words: list[list[int]] = [list(w) for w in word_counts]
+    freqs: list[int] = list(word_counts.values())
+    pair_count: Counter[tuple[int, int]] = Counter()
+    where: dict[tuple[int, int], set[int]] = {}
+    for wi, (word, freq) in enumerate(zip(words, freqs, strict=True)):
+        for pair in pairwise(word):
+            pair_count[pair] += freq
+            where.setdefault(pair, set()).add(wi)
+    # Max-heap by (count, then the smallest bytes), with stale entries skipped when popped.
+    heap = [(-c, vocab[a], vocab[b], a, b) for (a, b), c in pair_count.items()]
+    heapq.heapify(heap)
+    for _ in range(n_merges):
+        while heap:
+            neg, _, _, a, b = heap[0]
+            if pair_count.get((a, b), 0) == -neg and neg < 0:
+                break
+            heapq.heappop(heap)
+        else:
+            raise DataError(
+                f"the BPE training text is too small for a vocabulary of {vocab_size}: every word became "
+                f"one token after {len(vocab) - 256} merges"
+            )
+        heapq.heappop(heap)
+        new = len(vocab)
+        vocab.append(vocab[a] + vocab[b])
+        changed: Counter[tuple[int, int]] = Counter()
+        for wi in where.pop((a, b), set()):
+            word, freq = words[wi], freqs[wi]
+            merged: list[int] = []
+            i = 0
+            while i < len(word):
+                if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
+                    merged.append(new)
+                    i += 2
+                else:
+                    merged.append(word[i])
+                    i += 1
+            for pair in pairwise(word):
+                changed[pair] -= freq
+            for pair in pairwise(merged):
+                changed[pair] += freq
+                where.setdefault(pair, set()).add(wi)
+            words[wi] = merged
+        for pair, delta in changed.items():
+            if delta:
+                c = pair_count[pair] + delta
+                pair_count[pair] = c
+                if c > 0:
+                    heapq.heappush(heap, (-c, vocab[pair[0]], vocab[pair[1]], pair[0], pair[1]))
+        pair_count.pop((a, b), None)
+    return {tok: rank for rank, tok in enumerate(vocab)}
 
 
 Tokenizer: TypeAlias = CharTokenizer | TiktokenTokenizer
@@ -200,6 +401,8 @@ def load_tokenizer(path: str | Path, tokenizer_path: str | Path | None = None) -
     obj = _read_json(path)
     if obj["type"] == "char":
         return CharTokenizer.load(path)
+    if obj["type"] == "bpe":
+        return BPETokenizer.load(path)
     tok = TiktokenTokenizer(tokenizer_path)
     saved = obj.get("ranks_sha256")
     if saved != tok.fingerprint():
