@@ -1,64 +1,792 @@
-"""Checkpoints through `engine.save_checkpoint`, one tag per step, keeping the newest K."""
+"""Checkpoints you can trust: atomic saves, retention, validation, safe loading, universal conversion.
+
+A checkpoint is `engine.save_checkpoint` under a temporary tag (`.tmp-step_NNNNNNNN`), on every
+rank. Each rank records, fsyncs and hashes the files it wrote; rank 0 then adds a copy of the
+tokenizer and `pretrain_meta.json` (the client state without the RNG states, plus a manifest of
+every file with its size and sha256), renames the directory to `step_NNNNNNNN`, and only then
+rewrites `latest` (write + rename). A save killed at any moment leaves a `.tmp-` directory that is
+never picked (and is removed at the next start), or a complete checkpoint newer than `latest`,
+which is ignored too: the previous checkpoint stays the one `--resume auto` picks.
+
+Every load goes through `safe_loading()`: DeepSpeed calls `torch.load(weights_only=False)`, which
+`TORCH_FORCE_WEIGHTS_ONLY_LOAD` overrides to `weights_only=True`, with the four plain-data classes
+that DeepSpeed pickles into its checkpoints allowlisted.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
+import random
 import re
 import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 import torch.distributed as tdist
 
+from pretrain.config import CheckpointConfig, RunConfig
+
 META = "pretrain_meta.json"
+TOKENIZER = "tokenizer.json"
+LATEST = "latest"
+UNIVERSAL = "universal"  # the universal conversion of step_N lives in step_N/universal/
+FORMAT_VERSION = 1
 _TAG = re.compile(r"^step_(\d{8})$")
+_TMP, _TRASH = ".tmp-", ".trash-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint problem meant for a person (unwritable dir, full disk, nothing valid to load).
+
+    `collective` errors are raised on every rank alike, so only rank 0 needs to print them."""
+
+    def __init__(self, message: str, collective: bool = True) -> None:
+        super().__init__(message)
+        self.collective = collective
 
 
 def tag_for(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def list_tags(ckpt_dir: Path) -> list[str]:
-    """Complete checkpoint tags, oldest first."""
-    if not ckpt_dir.is_dir():
-        return []
-    return sorted(p.name for p in ckpt_dir.iterdir() if _TAG.match(p.name) and (p / META).is_file())
+def step_of(tag: str) -> int | None:
+    m = _TAG.match(tag)
+    return int(m.group(1)) if m else None
 
 
-def save(engine: Any, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep_last: int) -> str:
-    """Save on every rank (DeepSpeed needs each rank's shards), then prune on rank 0."""
+# ---------------------------------------------------------------------------------------------
+# Safe loading
+
+
+def _safe_globals() -> list[Any]:
+    """Plain-data classes that DeepSpeed pickles into its checkpoints: a loss scaler (two numbers),
+    the ZeRO stage enum, and (offset, size) fragment addresses."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextlib.contextmanager
+def safe_loading() -> Iterator[None]:
+    """Make every `torch.load` in this block `weights_only=True`, DeepSpeed's included."""
+    old = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            yield
+    finally:
+        if old is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = old
+
+
+def load_file(path: Path) -> Any:
+    """torch.load of one checkpoint file, weights only, on the CPU."""
+    with safe_loading():
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives over a small gloo group (flags and file lists stay off the GPU); no-ops alone.
+
+
+def control_group() -> Any:
+    """A gloo group of all ranks for host-side agreement (stop, bad step, save errors)."""
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return None
+    return tdist.new_group(backend="gloo")
+
+
+def _world(group: Any) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return tdist.get_rank(group), tdist.get_world_size(group)
+
+
+def _gather(obj: Any, group: Any) -> list[Any]:
+    if group is None:
+        return [obj]
+    out: list[Any] = [None] * tdist.get_world_size(group)
+    tdist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _barrier(group: Any) -> None:
+    if group is not None:
+        tdist.barrier(group=group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Start-up checks
+
+
+def estimate_bytes(cfg: RunConfig) -> int:
+    """One checkpoint, all ranks together: the weights in their training dtype, plus the fp32 master
+    copy and Adam's two moments (12 bytes a parameter). An upper bound at stage 0 in fp32 (12)."""
+    from pretrain.model import analytic_num_params
+
+    weights = 2 if cfg.precision.bf16 or cfg.precision.fp16 else 4
+    return analytic_num_params(cfg.model) * (weights + 12) + 64_000
+
+
+def preflight(ckpt_dir: Path, need_bytes: int, keep: int, group: Any) -> None:
+    """Every rank: the checkpoint dir exists, is writable, and has room for a checkpoint. All ranks
+    raise the same CheckpointError if any rank finds a problem. Rank 0 then removes leftovers of
+    interrupted saves (`.tmp-*`) and prunes (`.trash-*`)."""
+    rank, _ = _world(group)
+    problems: list[str] = []
+    notes: list[str] = []
+    try:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        probe = ckpt_dir / f".probe-{rank}-{os.getpid()}"
+        with probe.open("wb") as f:
+            f.write(b"x")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        problems.append(
+            f"checkpoint directory {ckpt_dir} is not writable: {e.strerror or e}; make it writable or "
+            "point checkpoint.dir / logging.run_dir elsewhere"
+        )
+    else:
+        free = shutil.disk_usage(ckpt_dir).free
+        if free < need_bytes:
+            problems.append(
+                f"{ckpt_dir}: {_size(free)} free, but one checkpoint needs about {_size(need_bytes)}; "
+                "free space there or point checkpoint.dir / logging.run_dir at a larger filesystem"
+            )
+        elif free < need_bytes * (keep + 1):
+            notes.append(
+                f"warning: {ckpt_dir} has {_size(free)} free; keeping {keep} checkpoints of about "
+                f"{_size(need_bytes)} (plus the one being written) may run out of space"
+            )
+    reports = _gather((problems, notes), group)
+    all_problems = list(dict.fromkeys(p for probs, _ in reports for p in probs))
+    if all_problems:
+        raise CheckpointError("cannot save checkpoints:\n  - " + "\n  - ".join(all_problems))
+    if rank == 0:
+        for note in dict.fromkeys(n for _, ns in reports for n in ns):
+            print(note, flush=True)
+        for leftover in ckpt_dir.iterdir():
+            if leftover.name.startswith((_TMP, _TRASH)) and leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+    _barrier(group)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    raise AssertionError  # unreachable
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG states, one per rank
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's generators, in types `torch.load(weights_only=True)` reads back."""
+    version, mt, gauss = random.getstate()
+    np_state: Any = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": [version, list(mt), gauss],
+        "numpy": {
+            "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "gauss": float(np_state[4]),
+        },
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    n = state["numpy"]
+    np.random.set_state(
+        ("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
+    )
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def restore_rng(states: list[dict[str, Any]] | None, rank: int, world_size: int, seed: int, step: int) -> str:
+    """Each rank takes back its own generators; on another world size they are reseeded from
+    (seed, step, rank), as they cannot continue. Returns what was done, for the log."""
+    if states and len(states) == world_size:
+        set_rng_state(states[rank])
+        return "restored"
+    s = (seed * 1_000_003 + step * 101 + rank) % 2**63
+    torch.manual_seed(s)
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    saved = len(states) if states else 0
+    return f"reseeded (saved by {saved} ranks, running on {world_size})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+
+class _RecordingEngine:
+    """Wraps DeepSpeed's checkpoint engine. Each file this rank writes is fsynced, hashed and
+    recorded; a failed write (full disk) is recorded instead of raised, so that every rank still
+    reaches DeepSpeed's own barriers and all can fail together."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.checksums = True
+        self.written: dict[str, dict[str, Any]] = {}
+        self.errors: list[str] = []
+        self.on_write: Any = None  # test hook, called after each file
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self.errors:
+            return  # one failure is enough; don't fill the disk further
+        try:
+            self.inner.save(state_dict, path)
+            self.written[path] = _describe(Path(path), self.checksums, fsync=True)
+        except (OSError, RuntimeError) as e:  # torch's zip writer reports ENOSPC as a RuntimeError
+            self.errors.append(f"{path}: {e}")
+            return
+        if self.on_write is not None:
+            self.on_write(path)
+
+
+def _describe(path: Path, checksum: bool, fsync: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {"bytes": path.stat().st_size}
+    if checksum or fsync:
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            if checksum:
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+            if fsync:
+                os.fsync(f.fileno())
+        if checksum:
+            out["sha256"] = h.hexdigest()
+    return out
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{_TMP}{path.name}")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def recorder(engine: Any) -> _RecordingEngine:
+    if not isinstance(engine.checkpoint_engine, _RecordingEngine):
+        engine.checkpoint_engine = _RecordingEngine(engine.checkpoint_engine)
+    rec: _RecordingEngine = engine.checkpoint_engine
+    return rec
+
+
+def save(
+    engine: Any,
+    ckpt_dir: Path,
+    step: int,
+    client_state: dict[str, Any],
+    policy: CheckpointConfig,
+    group: Any,
+    tokenizer_file: Path | None = None,
+    faults: Faults | None = None,
+) -> str:
+    """Save on every rank (DeepSpeed needs each rank's shards), commit on rank 0, prune.
+
+    Returns the tag. Raises CheckpointError on every rank if any rank failed to write; the
+    previous checkpoint then stays `latest`, and the partial one is removed."""
+    from deepspeed.checkpoint.constants import (
+        UNIVERSAL_CHECKPOINT_INFO,
+        UNIVERSAL_CHECKPOINT_VERSION_KEY,
+        UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+    )
+
+    rank, world = _world(group)
     tag = tag_for(step)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state)
-    tdist.barrier()
-    if tdist.get_rank() == 0:
-        # A small plain-JSON copy of the client state, readable before (and without) loading.
-        (ckpt_dir / tag / META).write_text(json.dumps(client_state, indent=1) + "\n")
-        for old in list_tags(ckpt_dir)[:-keep_last]:
-            shutil.rmtree(ckpt_dir / old, ignore_errors=True)
-    tdist.barrier()
+    tmp_tag = f"{_TMP}{tag}"
+    rec = recorder(engine)
+    rec.checksums, rec.written, rec.errors = policy.checksums, {}, []
+    rec.on_write = faults.kill_in_save_hook(step, rank) if faults else None
+    t0 = time.perf_counter()
+    # `ds_to_universal` needs this entry to convert the checkpoint for another world size.
+    state = {
+        **client_state,
+        UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE},
+    }
+    engine.save_checkpoint(str(ckpt_dir), tag=tmp_tag, client_state=state, save_latest=False)
+    written = {str(Path(p).relative_to(ckpt_dir / tmp_tag)): d for p, d in rec.written.items()}
+    reports = _gather((written, rec.errors), group)
+    errors = [f"rank {r}: {e}" for r, (_, errs) in enumerate(reports) for e in errs]
+    tmp_dir = ckpt_dir / tmp_tag
+    if errors:
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)  # free what the partial save took
+        _barrier(group)
+        prev = latest_tag(ckpt_dir)
+        kept = f"the previous checkpoint {prev} is intact" if prev else "no checkpoint was kept"
+        free = shutil.disk_usage(ckpt_dir).free
+        raise CheckpointError(
+            f"saving checkpoint {tag} failed ({_size(free)} free in {ckpt_dir}); {kept}:\n  - "
+            + "\n  - ".join(errors[:8])
+        )
+    if rank == 0:
+        files: dict[str, dict[str, Any]] = {}
+        for _, (w, _) in enumerate(reports):
+            files.update(w)
+        if tokenizer_file is not None and tokenizer_file.is_file():
+            shutil.copyfile(tokenizer_file, tmp_dir / TOKENIZER)
+        for p in sorted(tmp_dir.rglob("*")):  # anything DeepSpeed wrote around the checkpoint engine
+            rel = str(p.relative_to(tmp_dir))
+            if p.is_file() and rel not in files:
+                files[rel] = _describe(p, policy.checksums, fsync=True)
+        meta = {k: v for k, v in client_state.items() if k != "rng"}
+        meta.update(
+            format="deepspeed",
+            format_version=FORMAT_VERSION,
+            tag=tag,
+            world_size=world,
+            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            save_seconds=round(time.perf_counter() - t0, 3),
+            files=files,
+        )
+        _write_atomic(tmp_dir / META, json.dumps(meta, indent=1) + "\n")
+        _fsync_dir(tmp_dir)
+        final = ckpt_dir / tag
+        if final.exists():  # an earlier save of this step that never became `latest`
+            final.rename(ckpt_dir / f"{_TRASH}{tag}-{os.getpid()}")
+        tmp_dir.rename(final)
+        _fsync_dir(ckpt_dir)
+        _write_atomic(ckpt_dir / LATEST, tag + "\n")
+        _fsync_dir(ckpt_dir)
+        prune(ckpt_dir, policy)
+    _barrier(group)
     return tag
 
 
+def prune(ckpt_dir: Path, policy: CheckpointConfig) -> list[str]:
+    """Rank 0: delete committed checkpoints that no rule keeps; returns their tags.
+
+    Kept: the newest `keep_last`, every multiple of `milestone_interval`, the lowest val loss
+    (with `keep_best`) and whatever `latest` names. Deletion renames first, so a half-deleted
+    checkpoint never looks like a checkpoint."""
+    tags = committed_tags(ckpt_dir)[0]
+    keep = set(tags[-policy.keep_last :])
+    if policy.milestone_interval:
+        keep |= {t for t in tags if (step_of(t) or 0) % policy.milestone_interval == 0}
+    if policy.keep_best:
+        scored = []
+        for t in tags:
+            with contextlib.suppress(OSError, ValueError):
+                v = read_meta(ckpt_dir / t).get("val_loss")
+                if isinstance(v, int | float):
+                    scored.append((float(v), t))
+        if scored:
+            keep.add(min(scored)[1])
+    latest = latest_tag(ckpt_dir)
+    if latest:
+        keep.add(latest)
+    removed = []
+    for t in tags:
+        if t not in keep:
+            trash = ckpt_dir / f"{_TRASH}{t}"
+            (ckpt_dir / t).rename(trash)
+            shutil.rmtree(trash, ignore_errors=True)
+            removed.append(t)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding and validating checkpoints
+
+
 def latest_tag(ckpt_dir: Path) -> str | None:
-    latest = ckpt_dir / "latest"
-    if latest.is_file():
-        tag = latest.read_text().strip()
-        if (ckpt_dir / tag / META).is_file():
-            return tag
-    tags = list_tags(ckpt_dir)
-    return tags[-1] if tags else None
+    """The tag `latest` names, if it names a step tag."""
+    try:
+        tag = (ckpt_dir / LATEST).read_text().strip()
+    except OSError:
+        return None
+    return tag if step_of(tag) is not None else None
 
 
-def read_meta(ckpt_dir: Path, tag: str) -> dict[str, Any]:
-    path = ckpt_dir / tag / META
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing; not a complete pretrain checkpoint")
-    return dict(json.loads(path.read_text()))
+def committed_tags(ckpt_dir: Path) -> tuple[list[str], list[str]]:
+    """Checkpoints whose save completed, oldest first, and notes on directories passed over.
+
+    Committed: a `step_N` directory with its meta file, no newer than what `latest` names (a
+    newer one was renamed into place but its save was interrupted before `latest` moved on)."""
+    if not ckpt_dir.is_dir():
+        return [], []
+    notes = []
+    tags = sorted(p.name for p in ckpt_dir.iterdir() if step_of(p.name) is not None and p.is_dir())
+    latest = latest_tag(ckpt_dir)
+    if (ckpt_dir / LATEST).exists() and (latest is None or latest not in tags):
+        notes.append(f"{ckpt_dir / LATEST} names no checkpoint here; considering every checkpoint")
+        latest = None
+    out = []
+    for t in tags:
+        if latest is not None and t > latest:
+            notes.append(f"{t}: newer than `latest` ({latest}), its save did not finish; ignored")
+        elif not (ckpt_dir / t / META).is_file():
+            notes.append(f"{t}: no {META}; ignored")
+        else:
+            out.append(t)
+    return out, notes
 
 
-def load(engine: Any, ckpt_dir: Path, tag: str) -> dict[str, Any]:
-    """Load model, optimizer and scheduler state; returns the client state saved with it."""
-    path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+def read_meta(path: Path) -> dict[str, Any]:
+    """The meta file of a checkpoint directory (step_N or step_N/universal)."""
+    meta_path = path / META
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: no {META}; not a complete pretrain checkpoint") from e
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{meta_path}: unreadable ({e})") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_path}: not a JSON object")
+    return meta
+
+
+def verify(path: Path, checksums: bool = True, rank: int = 0, world: int = 1) -> list[str]:
+    """Problems with a checkpoint directory: its meta, and every file its manifest lists (this
+    rank's share of them: file i is checked by rank i % world). Empty if it is sound."""
+    try:
+        meta = read_meta(path)
+    except CheckpointError as e:
+        return [str(e)]
+    files = meta.get("files")
+    problems = []
+    for key in ("step", "loader", "config", "tokens_seen"):
+        if key not in meta:
+            problems.append(f"{META} lacks '{key}'")
+    if not isinstance(files, dict) or not files:
+        return [*problems, f"{META} lists no files"]
+    for i, (rel, want) in enumerate(sorted(files.items())):
+        if i % world != rank:
+            continue
+        f = path / rel
+        try:
+            got = _describe(f, checksums and "sha256" in want)
+        except OSError as e:
+            problems.append(f"{rel}: {e.strerror or e}")
+            continue
+        if got["bytes"] != want.get("bytes"):
+            problems.append(f"{rel}: {got['bytes']} bytes, expected {want.get('bytes')}")
+        elif "sha256" in got and got["sha256"] != want["sha256"]:
+            problems.append(f"{rel}: sha256 differs from the one recorded at save")
+    return problems
+
+
+def verify_all(path: Path, checksums: bool, group: Any) -> list[str]:
+    """`verify` with the files shared out over the ranks; every rank gets every problem."""
+    rank, world = _world(group)
+    return [p for part in _gather(verify(path, checksums, rank, world), group) for p in part]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint to load: DeepSpeed's (root, tag) and what its meta file says."""
+
+    root: Path  # the checkpoints directory
+    tag: str  # "step_N", or "step_N/universal"
+    meta: dict[str, Any]
+
+    @property
+    def path(self) -> Path:
+        return self.root / self.tag
+
+    @property
+    def universal(self) -> bool:
+        return self.meta.get("format") == "universal"
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+
+def needs_universal(meta: dict[str, Any], world_size: int, zero_stage: int) -> bool:
+    """A ZeRO checkpoint loads natively only with the partitioning it was saved with."""
+    saved_world, saved_stage = (
+        int(meta.get("world_size", world_size)),
+        int(meta.get("zero_stage", zero_stage)),
+    )
+    if saved_stage == 0 and zero_stage == 0:
+        return False  # stage 0 saves the whole optimizer state on rank 0: any world size loads it
+    same_layout = saved_stage == zero_stage or {saved_stage, zero_stage} == {1, 2}
+    return saved_world != world_size or not same_layout
+
+
+def find(
+    ckpt_dir: Path,
+    spec: str,
+    world_size: int,
+    zero_stage: int,
+    checksums: bool,
+    group: Any,
+    report: Any = print,
+) -> Checkpoint | None:
+    """The checkpoint to resume from. `spec` is "auto" (the newest valid one in `ckpt_dir`; each
+    invalid one is reported and the previous one tried) or the path of a checkpoint directory.
+
+    A checkpoint saved on another world size (or ZeRO layout) is used through its universal
+    conversion (`pretrain convert`), and refused with the command to run if it has none."""
+    chosen: Checkpoint | None = None
+    if spec != "auto":
+        path = Path(spec)
+        meta = read_meta(path)
+        problems = verify_all(path, checksums, group)
+        if problems:
+            raise CheckpointError(f"{path}: invalid checkpoint:\n  - " + "\n  - ".join(problems))
+        root = path.parent.parent if meta.get("format") == "universal" else path.parent
+        chosen = Checkpoint(root, str(path.relative_to(root)), meta)
+    else:
+        tags, notes = committed_tags(ckpt_dir)
+        for note in notes:
+            report(f"checkpoint: {note}")
+        for tag in reversed(tags):
+            problems = verify_all(ckpt_dir / tag, checksums, group)
+            if not problems:
+                chosen = Checkpoint(ckpt_dir, tag, read_meta(ckpt_dir / tag))
+                break
+            report(
+                f"checkpoint {ckpt_dir / tag} is invalid, trying the previous one:\n  - "
+                + "\n  - ".join(problems[:8])
+            )
+    if chosen is None:
+        return None
+    if chosen.universal or not needs_universal(chosen.meta, world_size, zero_stage):
+        return chosen
+    uni = chosen.path / UNIVERSAL
+    saved = f"{_ranks(int(chosen.meta.get('world_size', 0)))} at ZeRO-{chosen.meta.get('zero_stage')}"
+    if not (uni / META).is_file():
+        raise CheckpointError(
+            f"{chosen.path} was saved on {saved}; this run has {_ranks(world_size)} at ZeRO-{zero_stage}. "
+            f"Convert it to DeepSpeed's universal format first:\n  pretrain convert {chosen.path}"
+        )
+    problems = verify_all(uni, checksums, group)
+    if problems:
+        raise CheckpointError(
+            f"{uni}: invalid universal checkpoint; convert again with `pretrain convert {chosen.path}`:\n  - "
+            + "\n  - ".join(problems[:8])
+        )
+    return Checkpoint(chosen.root, f"{chosen.tag}/{UNIVERSAL}", read_meta(uni))
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
+def load(engine: Any, ckpt: Checkpoint) -> dict[str, Any]:
+    """Load model, optimizer and DeepSpeed state, weights only; returns the client state."""
+    # DeepSpeed reads this flag only while loading; setting it per load lets one engine load a
+    # universal checkpoint at start and its own native ones (a rollback) later.
+    engine._config.load_universal_checkpoint = ckpt.universal
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+    with safe_loading():
+        path, client_state = engine.load_checkpoint(str(ckpt.root), tag=ckpt.tag)
     if path is None:
-        raise RuntimeError(f"{ckpt_dir / tag}: DeepSpeed could not load this checkpoint")
+        raise CheckpointError(f"{ckpt.path}: DeepSpeed could not load this checkpoint")
+    if ckpt.universal:
+        # Two workarounds for DeepSpeed 0.19's ZeRO-3 universal load, without which the run drifts
+        # from the one it continues: it copies the first group's hyperparameters onto every group
+        # (weight decay included: embeddings, norms and biases would be decayed), and it gives every
+        # group the same `step` tensor, which AdamW then increments once per group and step.
+        for g, before in zip(engine.optimizer.param_groups, groups, strict=True):
+            g.update(before)
+        base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        for state in base.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
     return dict(client_state or {})
+
+
+# ---------------------------------------------------------------------------------------------
+# Universal checkpoints (another world size or ZeRO stage)
+
+
+def resolve(src: Path) -> Path:
+    """A checkpoint directory from a checkpoint, a checkpoints directory or a run directory (the
+    newest committed checkpoint that verifies)."""
+    if (src / META).is_file():
+        return src
+    for ckpt_dir in (src, src / "checkpoints"):
+        tags, _ = committed_tags(ckpt_dir)
+        for tag in reversed(tags):
+            if not verify(ckpt_dir / tag, checksums=False):
+                return ckpt_dir / tag
+    raise CheckpointError(
+        f"{src}: no complete checkpoint here (a step_N directory, or a run or checkpoints dir)"
+    )
+
+
+def convert_to_universal(src: Path, workers: int = 1, checksums: bool = True) -> Path:
+    """Write DeepSpeed's universal checkpoint of `src` into `src/universal`, atomically."""
+    from argparse import Namespace
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    meta = read_meta(src)
+    problems = verify(src, checksums)
+    if problems:
+        raise CheckpointError(f"{src}: invalid checkpoint:\n  - " + "\n  - ".join(problems[:8]))
+    if int(meta.get("zero_stage", 0)) == 0:
+        raise CheckpointError(
+            f"{src} is a ZeRO stage 0 checkpoint: it holds the whole optimizer state and resumes on "
+            "any world size as it is; there is nothing to convert"
+        )
+    out, tmp = src / UNIVERSAL, src / f"{_TMP}{UNIVERSAL}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    args = Namespace(
+        input_folder=str(src),
+        output_folder=str(tmp),
+        num_extract_workers=workers,
+        num_merge_workers=workers,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
+    with safe_loading():
+        ds_to_universal.main(args)
+    (src / "latest_universal").unlink(missing_ok=True)  # written next to the output; we use our own meta
+    files = {
+        str(p.relative_to(tmp)): _describe(p, checksums, fsync=True)
+        for p in sorted(tmp.rglob("*"))
+        if p.is_file()
+    }
+    umeta = {**meta, "format": "universal", "tag": f"{src.name}/{UNIVERSAL}", "files": files}
+    _write_atomic(tmp / META, json.dumps(umeta, indent=1) + "\n")
+    if out.exists():
+        trash = src / f"{_TRASH}{UNIVERSAL}"
+        out.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    tmp.rename(out)
+    _fsync_dir(src)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Stopping on a signal, and the fault-injection hooks the tests use
+
+
+class StopOnSignal:
+    """While installed, SIGTERM and SIGINT only ask the loop to stop: it finishes the step, saves a
+    checkpoint on every rank and returns. Repeats are ignored (a launcher often passes on the
+    signal its ranks already got), except a second SIGINT: Ctrl-C twice interrupts at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = self.signum or signum
+
+    def uninstall(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+
+def agree(step_loss: torch.Tensor, signum: int | None, group: Any) -> tuple[bool, int]:
+    """(any rank's loss was non-finite, the signal any rank was asked to stop by, or 0), the same
+    on every rank."""
+    flags = torch.tensor([0 if bool(torch.isfinite(step_loss)) else 1, signum or 0], dtype=torch.int64)
+    if group is not None:
+        tdist.all_reduce(flags, op=tdist.ReduceOp.MAX, group=group)
+    return bool(flags[0]), int(flags[1])
+
+
+def gather_rng(group: Any) -> list[dict[str, Any]]:
+    """Every rank's generators, in rank order (all ranks get the list; rank 0's copy is saved)."""
+    return _gather(rng_state(), group)
+
+
+class Faults:
+    """Faults injected through environment variables, for the tests (documented in the README):
+
+    - PRETRAIN_FAULT_NAN_STEPS="5,6": rank 0's loss is NaN on the batches that steps 5 and 6 of
+      an uninterrupted run train on (whenever the run meets those batches);
+    - PRETRAIN_FAULT_KILL="RANK:STEP": that rank sends itself SIGKILL after step STEP;
+    - PRETRAIN_FAULT_KILL_IN_SAVE="STEP": rank 0 sends itself SIGKILL while saving step STEP,
+      after writing its first file;
+    - PRETRAIN_FAULT_SIGTERM="RANK:STEP": that rank sends itself SIGTERM after step STEP (the run
+      then saves after the next step, on every rank, and stops).
+    Each kill happens once per run directory (a marker file `.fault-*` remembers it), so a
+    supervised restart gets past it.
+    """
+
+    def __init__(self, run_dir: Path, global_batch: int, env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ if env is None else env)
+        self.run_dir = run_dir
+        steps = [int(s) for s in env.get("PRETRAIN_FAULT_NAN_STEPS", "").split(",") if s.strip()]
+        self.nan_batches = {(s - 1) * global_batch for s in steps}
+        kill = env.get("PRETRAIN_FAULT_KILL", "")
+        self.kill = tuple(int(x) for x in kill.split(":")) if kill else None
+        in_save = env.get("PRETRAIN_FAULT_KILL_IN_SAVE", "")
+        self.kill_in_save = int(in_save) if in_save else None
+        term = env.get("PRETRAIN_FAULT_SIGTERM", "")
+        self.sigterm = tuple(int(x) for x in term.split(":")) if term else None
+
+    def nan(self, batch_start: int, rank: int) -> bool:
+        return rank == 0 and batch_start in self.nan_batches
+
+    def after_step(self, step: int, rank: int) -> None:
+        if self.kill is not None and self.kill == (rank, step):
+            self._die(f"kill-{rank}-{step}")
+        if self.sigterm is not None and self.sigterm == (rank, step):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def kill_in_save_hook(self, step: int, rank: int) -> Any:
+        if self.kill_in_save != step or rank != 0:
+            return None
+        return lambda path: self._die(f"kill-in-save-{step}")
+
+    def _die(self, name: str) -> None:
+        marker = self.run_dir / f".fault-{name}"
+        if marker.exists():
+            return
+        marker.write_text("fired\n")
+        print(f"fault injection: SIGKILL to pid {os.getpid()} ({name})", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
