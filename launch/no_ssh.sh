@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Train across the hosts of a hostfile without ssh: run this on every host, each with its node rank
+# (its line in the hostfile, from 0), and `deepspeed --no_ssh` starts that host's ranks.
+#
+#   launch/no_ssh.sh HOSTFILE NODE_RANK [pretrain train args...]
+#   node-01$ launch/no_ssh.sh hostfiles/a100x16 0 --ds ds_configs/zero2_offload.json --preset gpt-6.7b
+#   node-02$ launch/no_ssh.sh hostfiles/a100x16 1 --ds ds_configs/zero2_offload.json --preset gpt-6.7b
+#
+#   MASTER_ADDR  rank 0's address as every host reaches it (default: the hostfile's first host)
+#   MASTER_PORT  rendezvous port (default 29500)
+#   PYTHON       the venv's interpreter (default: .venv/bin/python of this checkout)
+# The config's `launch` section (NCCL_SOCKET_IFNAME, NCCL_DEBUG, ...) is exported to the ranks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+die() { echo "launch/no_ssh.sh: $*" >&2; exit 2; }
+[ $# -ge 2 ] || die "usage: launch/no_ssh.sh HOSTFILE NODE_RANK [pretrain train args...]"
+hostfile=$1
+node_rank=$2
+shift 2
+python=${PYTHON:-$PWD/.venv/bin/python}
+[ -x "$python" ] || die "no interpreter at $python: run ./setup.sh or set PYTHON"
+[[ $node_rank =~ ^[0-9]+$ ]] || die "NODE_RANK='$node_rank' is not a number"
+nodes=$("$python" -m pretrain.launch hostfile "$hostfile" --count)
+[ "$node_rank" -lt "$nodes" ] || die "NODE_RANK $node_rank: $hostfile has $nodes hosts (0..$((nodes - 1)))"
+master=${MASTER_ADDR:-$("$python" -m pretrain.launch hostfile "$hostfile" --first)}
+port=${MASTER_PORT:-29500}
+[[ $master =~ ^[A-Za-z0-9._-]+$ ]] || die "MASTER_ADDR='$master' is not a host name or address"
+[[ $port =~ ^[0-9]+$ ]] || die "MASTER_PORT='$port' is not a port number"
+
+# DeepSpeed reads .deepspeed_env only when it launches over ssh; export the variables here.
+# Values are checked by the config (no spaces, quotes or '$'), and nothing in them is evaluated.
+launch_env=$("$python" -m pretrain.launch env "$@")  # a config error stops here
+while IFS='=' read -r key value; do
+    [ -n "$key" ] || continue
+    export "$key=$value"
+done <<< "$launch_env"
+exec "$python" -m deepspeed.launcher.runner --hostfile "$hostfile" --no_ssh --node_rank "$node_rank" \
+    --master_addr "$master" --master_port "$port" pretrain/main.py "$@"

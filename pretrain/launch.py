@@ -1,0 +1,161 @@
+"""Launching on many hosts: the hostfile, and the environment every rank gets (`.deepspeed_env`).
+
+A hostfile says which hosts a multi-node launch uses and how many ranks (slots) each runs. The
+format is DeepSpeed's (`deepspeed.launcher.runner._parse_hostfile`), one host a line:
+
+    # comment
+    node-01 slots=8
+    node-02 slots=8
+
+Every hostfile DeepSpeed accepts with positive slots and plain host names parses here to the same
+ordered mapping, and every one it rejects is rejected here too, with a message that names the
+line and the fix. On top of DeepSpeed's rules this parser refuses zero slots, text glued to the
+slot count (`slots=8x`), and host names with anything but letters, digits, '.', '-' and '_', so
+that no shell metacharacter from a hostfile ever reaches a pdsh, ssh or mpirun command line.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pretrain.config import LaunchConfig
+
+# DeepSpeed's own pattern, applied with re.search to the stripped line.
+_DS_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
+# Host names and IPv4 addresses: RFC 1123 labels, plus '_' which some clusters use.
+_HOST = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
+
+
+class HostfileError(ValueError):
+    """A hostfile problem meant for a person: every bad line, one per line of the message."""
+
+    def __init__(self, problems: list[str], source: str = "hostfile") -> None:
+        self.problems = problems
+        self.source = source
+        super().__init__("\n".join([f"invalid hostfile {source}:", *(f"  - {p}" for p in problems)]))
+
+
+def valid_host(name: str) -> bool:
+    """True for a host name safe to put on a command line unquoted (no shell metacharacters)."""
+    return bool(_HOST.match(name)) and ".." not in name
+
+
+def parse_hostfile(text: str, source: str = "<text>") -> dict[str, int]:
+    """Hosts in file order mapped to their slots; raises HostfileError listing every bad line."""
+    hosts: dict[str, int] = {}
+    problems: list[str] = []
+    for n, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _DS_LINE.search(line)
+        where = f"line {n} {line!r}"
+        if not m:
+            problems.append(f"{where}: expected '<host> slots=<N>', e.g. 'node-01 slots=8'")
+            continue
+        host, slots = m.group(1), int(m.group(2))
+        rest = line[m.end() :]
+        if rest and not rest[0].isspace():
+            problems.append(f"{where}: slots must be a whole number followed by a space or the end")
+        elif not valid_host(host):
+            problems.append(f"{where}: {host!r} is not a host name (letters, digits, '.', '-' and '_' only)")
+        elif slots == 0:
+            problems.append(f"{where}: zero slots; remove the line or give the number of accelerators")
+        elif host in hosts:
+            problems.append(f"{where}: {host} is listed twice; give each host one line with all its slots")
+        else:
+            hosts[host] = slots
+    if not hosts and not problems:
+        problems.append("no hosts: the file is empty or only comments; add lines like 'node-01 slots=8'")
+    if problems:
+        raise HostfileError(problems, source)
+    return hosts
+
+
+def read_hostfile(path: str | Path) -> dict[str, int]:
+    p = Path(path)
+    if not p.is_file():
+        raise HostfileError([f"{p}: no such file"], str(p))
+    return parse_hostfile(p.read_text(), str(p))
+
+
+def format_hostfile(hosts: dict[str, int]) -> str:
+    return "".join(f"{host} slots={slots}\n" for host, slots in hosts.items())
+
+
+def world_size(hosts: dict[str, int]) -> int:
+    return sum(hosts.values())
+
+
+def launch_environment(cfg: LaunchConfig) -> dict[str, str]:
+    """The variables every rank on every host gets, from the config's `launch` section."""
+    env: dict[str, str] = {}
+    if cfg.socket_ifname:
+        env["NCCL_SOCKET_IFNAME"] = cfg.socket_ifname
+        env["GLOO_SOCKET_IFNAME"] = cfg.socket_ifname
+    if cfg.ib_hca:
+        env["NCCL_IB_HCA"] = cfg.ib_hca
+    if cfg.nccl_debug:
+        env["NCCL_DEBUG"] = cfg.nccl_debug
+    if cfg.nccl_ib_timeout is not None:
+        env["NCCL_IB_TIMEOUT"] = str(cfg.nccl_ib_timeout)
+    # A rank whose peer died raises after the process-group timeout instead of hanging on NCCL.
+    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+    env.update({k: str(v) for k, v in cfg.env.items()})
+    return env
+
+
+def env_file_text(env: dict[str, str]) -> str:
+    """`.deepspeed_env` format: KEY=VALUE lines, read by DeepSpeed's multi-node runners and launch/*.sh."""
+    return "".join(f"{k}={v}\n" for k, v in env.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The launch scripts' helper, light enough to start in well under a second (no torch):
+
+        python -m pretrain.launch hostfile H [--first | --world-size | --count]
+        python -m pretrain.launch env [pretrain train args...]
+
+    `env` reads only the config arguments (--preset, --config, --ds, --set) among train's.
+    """
+    import argparse
+    import sys
+
+    from pretrain.config import ConfigError, build
+
+    ap = argparse.ArgumentParser(prog="python -m pretrain.launch")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("hostfile")
+    p.add_argument("path")
+    p.add_argument("--first", action="store_true")
+    p.add_argument("--world-size", action="store_true")
+    p.add_argument("--count", action="store_true")
+    p = sub.add_parser("env")
+    p.add_argument("--preset")
+    p.add_argument("--config")
+    p.add_argument("--ds")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    args, _ = ap.parse_known_args(argv)
+    try:
+        if args.command == "env":
+            cfg = build(args.preset, args.config, args.ds, args.overrides)
+            print(env_file_text(launch_environment(cfg.launch)), end="")
+            return 0
+        hosts = read_hostfile(args.path)
+    except (ConfigError, HostfileError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.first:
+        print(next(iter(hosts)))
+    elif args.world_size:
+        print(world_size(hosts))
+    elif args.count:
+        print(len(hosts))
+    else:
+        print(format_hostfile(hosts), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

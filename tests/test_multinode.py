@@ -1,0 +1,239 @@
+"""Multi-node for real: a two-host cluster in network namespaces (tests/cluster.py), with sshd.
+
+Every launch path trains the same tiny GPT at ZeRO-2 across the two hosts, one rank each, and must
+give the per-step losses of a 2-rank run on one host:
+- launch/pdsh.sh: `deepspeed --hostfile` over pdsh and ssh;
+- launch/no_ssh.sh: one `deepspeed --no_ssh --node_rank K` per host;
+- launch/mpirun.sh: Open MPI's mpirun, ranks discovered through mpi4py.
+Then `pretrain preflight` passes on the healthy cluster and names each seeded fault with its host.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import IFNAME, Cluster, slurm_unavailable, unavailable
+from tests.conftest import ROOT, TINY_SHAKESPEARE, subprocess_env
+
+pytestmark = pytest.mark.distributed
+
+PY = sys.executable
+STEPS = 6
+
+
+def train_args(data: Path, run_dir: Path) -> list[str]:
+    return [
+        f"--set=data.corpus={TINY_SHAKESPEARE}", f"--set=data.dataset_dir={data}",
+        f"--set=logging.run_dir={run_dir}", "--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2",
+        "--set", "model.block_size=32", "--set", "batch.micro_batch_size=4", "--set", "zero.stage=2",
+        "--set", f"schedule.max_steps={STEPS}", "--set", "schedule.warmup_steps=1",
+        "--set", "logging.log_interval=1", "--set", "logging.eval_interval=1000",
+        "--set", "logging.eval_batches=1", "--set", "logging.sample_tokens=0",
+        "--set", "checkpoint.interval=1000",
+    ]  # fmt: skip
+
+
+def launch_args(cluster: Cluster) -> list[str]:
+    """The launch section for this cluster: its interface, one thread per rank, and the suite's PATH
+    and op cache on every host, so DeepSpeed's JIT-built ops load instead of rebuilding."""
+    env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PATH": cluster.path}
+    if "TORCH_EXTENSIONS_DIR" in os.environ:
+        env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
+    return [
+        "--set", f"launch.socket_ifname={IFNAME}", "--set", "launch.nccl_debug=WARN",
+        *(a for k, v in env.items() for a in ("--set", f"launch.env.{k}={v}")),
+    ]  # fmt: skip
+
+
+def losses(run_dir: Path) -> list[float]:
+    with (run_dir / "metrics.csv").open() as f:
+        rows = [r for r in csv.DictReader(f) if r.get("loss")]
+    return [float(r["loss"]) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"two-host namespace cluster: {reason}")
+    with Cluster(tmp_path_factory.mktemp("cluster")) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def single_host_losses(char_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The reference: 2 ranks on one host, on loopback."""
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    cmd = [
+        PY, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
+        "--master_port", "29571", "pretrain/main.py", *train_args(char_dataset, run_dir),
+    ]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=480)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    got = losses(run_dir)
+    assert len(got) == STEPS
+    return got
+
+
+def check_two_hosts(out: subprocess.CompletedProcess[str], run_dir: Path, reference: list[float]) -> None:
+    assert out.returncode == 0, out.stdout[-6000:]
+    got = losses(run_dir)
+    assert len(got) == STEPS, out.stdout[-3000:]
+    assert got == pytest.approx(reference, abs=1e-6), (got, reference)
+    assert "world size 2" in out.stdout
+
+
+def test_pdsh_hostfile_launch_matches_one_host(cluster, char_dataset, single_host_losses, tmp_path):
+    run_dir = tmp_path / "run"
+    out = cluster.run(
+        0,
+        [str(ROOT / "launch" / "pdsh.sh"), str(cluster.hostfile()),
+         *train_args(char_dataset, run_dir), *launch_args(cluster)],
+        timeout=480,
+        env=cluster.env(MASTER_PORT="29572"),
+    )  # fmt: skip
+    check_two_hosts(out, run_dir, single_host_losses)
+    # pdsh started node2's rank over ssh, with the environment rendered from the config.
+    assert "pdsh" in out.stdout and "node2" in out.stdout
+
+
+def test_no_ssh_one_launcher_per_host_matches_one_host(cluster, char_dataset, single_host_losses, tmp_path):
+    run_dir = tmp_path / "run"
+    hostfile = cluster.hostfile()
+    args = [*train_args(char_dataset, run_dir), *launch_args(cluster)]
+    env = cluster.env(MASTER_PORT="29573")
+    script = str(ROOT / "launch" / "no_ssh.sh")
+    second = subprocess.Popen(
+        cluster.hosts[1].argv([script, str(hostfile), "1", *args]),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        first = cluster.run(0, [script, str(hostfile), "0", *args], timeout=480, env=env)
+        second_out, _ = second.communicate(timeout=120)
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()
+    assert second.returncode == 0, second_out[-4000:]
+    check_two_hosts(first, run_dir, single_host_losses)
+
+
+def test_mpirun_with_mpi4py_discovery_matches_one_host(cluster, char_dataset, single_host_losses, tmp_path):
+    run_dir = tmp_path / "run"
+    out = cluster.run(
+        0,
+        [str(ROOT / "launch" / "mpirun.sh"), str(cluster.hostfile()),
+         *train_args(char_dataset, run_dir), *launch_args(cluster)],
+        timeout=480,
+        env=cluster.env(MASTER_PORT="29574"),
+    )  # fmt: skip
+    check_two_hosts(out, run_dir, single_host_losses)
+
+
+def test_slurm_sbatch_on_a_real_two_node_slurm(cluster, char_dataset, single_host_losses, tmp_path):
+    """launch/slurm.sbatch under slurmctld + a slurmd per host: the hostfile comes from the
+    allocation through scontrol, and srun starts one rank per node."""
+    reason = slurm_unavailable()
+    if reason:
+        pytest.skip(f"real Slurm: {reason}")
+    conf = cluster.start_slurm()
+    run_dir = tmp_path / "run"
+    out = cluster.run(
+        0,
+        ["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", f"--output={tmp_path}/job-%j.out",
+         str(ROOT / "launch" / "slurm.sbatch"), *train_args(char_dataset, run_dir), *launch_args(cluster)],
+        timeout=480,
+        cwd=ROOT,
+        env=cluster.env(SLURM_CONF=str(conf), TMPDIR=str(tmp_path), MASTER_PORT="29576"),
+    )  # fmt: skip
+    logs = list(tmp_path.glob("job-*.out"))
+    job = logs[0].read_text() if logs else "(no job output)"
+    check_two_hosts(
+        subprocess.CompletedProcess(out.args, out.returncode, out.stdout + job), run_dir, single_host_losses
+    )
+    job_id = logs[0].stem.removeprefix("job-")
+    assert (tmp_path / f"pretrain-slurm-{job_id}.hostfile").read_text() == "node1 slots=1\nnode2 slots=1\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# preflight
+
+
+def preflight(cluster: Cluster, data: Path, hostfile: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        PY, "-m", "pretrain", "preflight", "--hostfile", str(hostfile), "--master-port", "29575",
+        "--timeout", "60", f"--set=data.corpus={TINY_SHAKESPEARE}", f"--set=data.dataset_dir={data}",
+        f"--set=logging.run_dir={hostfile.parent / 'run'}",
+        *launch_args(cluster), *extra,
+    ]  # fmt: skip
+    return cluster.run(0, cmd, timeout=120, cwd=ROOT)
+
+
+def test_preflight_passes_and_times_an_allreduce(cluster, char_dataset):
+    out = preflight(cluster, char_dataset, cluster.hostfile())
+    assert out.returncode == 0, out.stdout
+    table = out.stdout.splitlines()
+    assert table[0].split()[:3] == ["host", "slots", "ssh"]
+    assert table[1].startswith("node1") and table[2].startswith("node2")
+    assert "all-reduce: 2 ranks (gloo)" in out.stdout and "bus bandwidth" in out.stdout
+    assert "all 2 host(s) ready" in out.stdout
+
+
+def _empty_venv(where: Path) -> Path:
+    base = getattr(sys, "_base_executable", None) or "python3"
+    subprocess.run([base, "-m", "venv", "--without-pip", str(where)], check=True, capture_output=True)
+    return where
+
+
+@pytest.mark.parametrize("fault", ["unreachable", "versions", "data", "port", "slots"])
+def test_preflight_names_the_host_and_the_fix(cluster, char_dataset, tmp_path, fault):
+    node2 = cluster.hosts[1]
+    hostfile = cluster.hostfile((1, 3) if fault == "slots" else (1, 1))
+    listener = None
+    try:
+        if fault == "unreachable":
+            node2.stop_sshd()
+        elif fault == "versions":  # node2's venv is another interpreter's, without torch or DeepSpeed
+            node2.start_sshd(binds=[(_empty_venv(tmp_path / "venv"), Path(PY).parents[1])])
+        elif fault == "data":  # node2 sees an empty directory where the dataset is
+            (tmp_path / "empty").mkdir()
+            node2.start_sshd(binds=[(tmp_path / "empty", char_dataset)])
+        elif fault == "port":  # something on node1 already listens on the master port
+            listener = cluster.start(
+                0,
+                [PY, "-c", "import socket, time; s = socket.create_server(('', 29575)); print('up', flush=True);"
+                 " time.sleep(120)"],
+            )  # fmt: skip
+            assert listener.stdout is not None and listener.stdout.readline().strip() == "up"
+        out = preflight(cluster, char_dataset, hostfile)
+    finally:
+        if listener is not None:
+            listener.kill()
+            listener.wait()
+        if fault in ("unreachable", "versions", "data"):
+            node2.start_sshd()
+    assert out.returncode == 1, out.stdout
+    fails = [line for line in out.stdout.splitlines() if line.startswith("FAIL ")]
+    expected = {
+        "unreachable": ("FAIL node2: ssh: not reachable over ssh", "ssh-copy-id node2"),
+        "versions": ("FAIL node2: versions: torch not installed", "same environment on every host"),
+        "data": ("FAIL node2: data:", "rsync -a"),
+        "port": ("FAIL node1: master port: port 29575 is in use", "pick a free port"),
+        "slots": ("FAIL node2: accelerators: 3 slots", "slots=2"),
+    }[fault]
+    assert any(line.startswith(expected[0]) for line in fails), out.stdout
+    assert expected[1] in out.stdout, out.stdout
+    assert "all-reduce:" not in out.stdout  # nothing is launched on a cluster that failed its checks
+    if fault != "port":
+        assert all(line.startswith("FAIL node2") for line in fails), out.stdout
