@@ -1,0 +1,217 @@
+"""Metrics: device peaks for MFU, step-phase timing, per-rank summaries, the CSV log, plots; and an
+end-to-end run whose TensorBoard events are read back with tensorboard's own reader."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain.metrics import (
+    FIELDS,
+    MetricsLog,
+    PhaseTimer,
+    RankInterval,
+    cpu_peak_tflops,
+    gather_interval,
+    gpu_peak_tflops,
+    progress_enabled,
+    summarize,
+)
+from pretrain.plot import plot_run
+from tests.conftest import TINY_SHAKESPEARE, require_shared_data, subprocess_env
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.mark.parametrize(
+    ("name", "precision", "tf32", "peak"),
+    [
+        ("NVIDIA A100-SXM4-80GB", "bf16", False, 312.0),
+        ("NVIDIA A100-PCIE-40GB", "fp32", False, 19.5),
+        ("NVIDIA A100-SXM4-40GB", "fp32", True, 156.0),
+        ("NVIDIA H100 80GB HBM3", "bf16", False, 989.0),
+        ("NVIDIA H100 PCIe", "fp16", False, 756.0),
+        ("NVIDIA H200", "bf16", False, 989.0),
+        ("NVIDIA H200", "fp32", False, 67.0),
+        ("Tesla V100-SXM2-16GB", "fp16", False, None),
+    ],
+)
+def test_gpu_peaks(name, precision, tf32, peak):
+    assert gpu_peak_tflops(name, precision, tf32) == peak
+
+
+def test_cpu_peak_is_probed_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRETRAIN_CACHE_DIR", str(tmp_path))
+    first = cpu_peak_tflops(probe_s=0.05)
+    assert 0 < first < 1000
+    cache = json.loads((tmp_path / "cpu_peak_flops.json").read_text())
+    assert list(cache.values()) == [first]
+    assert f"{torch.get_num_threads()} threads" in next(iter(cache))
+    assert cpu_peak_tflops(probe_s=0.05) == first  # from the cache, not a second probe
+
+
+def test_phase_timer_sums_each_phase_on_the_cpu():
+    timer = PhaseTimer(torch.device("cpu"))
+    a = torch.randn(200, 200)
+    for _ in range(3):
+        timer.phase("data")
+        a = a @ a.T / 200
+        timer.phase("fwd_bwd")
+        a = a @ a.T / 200
+        timer.phase("optimizer")
+        timer.stop()
+    totals = timer.totals()
+    assert set(totals) == {"data", "fwd_bwd", "optimizer"}
+    assert totals["data"] > 0 and totals["fwd_bwd"] > 0 and totals["optimizer"] >= 0
+    timer.reset()
+    assert timer.totals() == {"data": 0.0, "fwd_bwd": 0.0, "optimizer": 0.0}
+
+
+def test_gather_interval_without_a_process_group():
+    timer = PhaseTimer(torch.device("cpu"))
+    ranks = gather_interval(torch.tensor(6.0), timer, 2.0, torch.device("cpu"))
+    assert len(ranks) == 1 and ranks[0].loss_sum == 6.0 and ranks[0].interval_s == 2.0
+    assert ranks[0].peak_mem_bytes > 10e6  # this process's peak RSS
+
+
+def test_summarize_two_ranks():
+    ranks = [
+        RankInterval(
+            loss_sum=8.0, interval_s=2.0, data_s=0.2, fwd_bwd_s=1.2, optimizer_s=0.4, peak_mem_bytes=1e9
+        ),
+        RankInterval(
+            loss_sum=4.0, interval_s=1.6, data_s=0.6, fwd_bwd_s=1.0, optimizer_s=0.2, peak_mem_bytes=3e9
+        ),
+    ]
+    # 4 steps x 2 micro steps of 3 sequences of 10 tokens per rank; 1000 FLOPs per token, 1 TFLOP/s peak
+    row, per_rank = summarize(ranks, 4, 6, 10, 2, flops_per_token=1000, peak_tflops=1e-6)
+    assert row["loss"] == pytest.approx(12.0 / (4 * 2 * 2))
+    assert row["step_time_s"] == pytest.approx(0.5)  # the slower rank sets the pace
+    assert row["samples_per_s"] == pytest.approx(2 * 6 / 0.5)
+    assert row["tokens_per_s"] == pytest.approx(240.0) and row["tokens_per_s_per_rank"] == pytest.approx(
+        120.0
+    )
+    assert row["data_s"] == pytest.approx(0.1) and row["optimizer_s"] == pytest.approx(0.075)
+    assert row["peak_mem_gb"] == pytest.approx(3.0)
+    assert row["mfu"] == pytest.approx(240 * 1000 / (1e6 * 2))
+    assert [r["rank"] for r in per_rank] == [0, 1]
+    assert per_rank[1]["tokens_per_s"] == pytest.approx(60 / 0.4) and per_rank[1]["peak_mem_gb"] == 3.0
+
+
+def test_progress_bar_modes():
+    assert progress_enabled(True, io.StringIO()) and not progress_enabled(False, io.StringIO())
+    assert not progress_enabled("auto", io.StringIO())  # not a terminal
+
+
+def test_metrics_log_rewrites_an_older_header_and_prints_one_line_per_row(tmp_path):
+    (tmp_path / "metrics.csv").write_text("step,loss,lr\n1,4.0,0.001\n")
+    out = io.StringIO()
+    log = MetricsLog(tmp_path, max_steps=10, out=out)
+    log.log(2, loss=3.5, lr=1e-3, tokens_per_s=1000.0, step_time_s=0.1, data_s=0.01, fwd_bwd_s=0.08, mfu=0.5)
+    log.log_ranks(2, [{"rank": 0, "tokens_per_s": 1000.0, "peak_mem_gb": 1.5}])
+    log.close()
+    with (tmp_path / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == FIELDS
+    assert [(r["step"], r["loss"]) for r in rows] == [("1", "4.0"), ("2", "3.5")]
+    line = out.getvalue().strip()
+    assert "loss 3.5000" in line and "mfu 50.0%" in line and "(data/fwd+bwd/opt 10/80/0)" in line
+    assert (tmp_path / "ranks.csv").read_text().splitlines()[1].startswith("2,0,1000")
+
+
+def test_plot_writes_a_labelled_png(tmp_path):
+    log = MetricsLog(tmp_path, max_steps=100, out=io.StringIO())
+    for step in range(10, 101, 10):
+        log.log(step, loss=4.0 / step**0.3, lr=1e-3 * (1 - step / 200), tokens_per_s=1000.0 + step)
+        if step % 50 == 0:
+            log.log(step, val_loss=4.2 / step**0.3, val_ppl=2.0)
+    log.close()
+    out = plot_run(tmp_path)
+    assert out == tmp_path / "metrics.png"
+    import matplotlib.image
+
+    img = matplotlib.image.imread(out)
+    assert img.shape[0] > 600 and img.shape[1] > 600
+    with pytest.raises(Exception, match="no such file"):
+        plot_run(tmp_path / "nope")
+
+
+def test_train_writes_tensorboard_csv_and_a_plot(tmp_path):
+    """`pretrain train` with TensorBoard and csv_monitor on; the events read back with tensorboard's
+    EventAccumulator; `pretrain plot` draws the run; the bar shows when forced on."""
+    require_shared_data()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    cmd = [
+        str(BIN / "pretrain"), "train", f"--set=data.corpus={TINY_SHAKESPEARE}",
+        f"--set=data.dataset_dir={tmp_path / 'data'}", f"--set=logging.run_dir={run_dir}",
+        "--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.block_size=32",
+        "--set", "batch.micro_batch_size=4", "--set", "schedule.max_steps=8", "--set", "schedule.warmup_steps=1",
+        "--set", "logging.log_interval=2", "--set", "logging.eval_interval=4", "--set", "logging.eval_batches=1",
+        "--set", "logging.sample_tokens=0", "--set", "checkpoint.interval=100",
+        "--set", "logging.csv_monitor=true", "--set", "logging.progress_bar=true",
+    ]  # fmt: skip
+    env = subprocess_env(PRETRAIN_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "8/8" in out.stderr and "step/s" in out.stderr  # tqdm's bar, forced on
+    assert "MFU against a peak of" in out.stdout
+
+    with (run_dir / "metrics.csv").open() as f:
+        rows = [r for r in csv.DictReader(f) if r["loss"]]
+    assert [int(r["step"]) for r in rows] == [2, 4, 6, 8]
+    for key in [
+        "grad_norm",
+        "tokens_per_s",
+        "samples_per_s",
+        "mfu",
+        "data_s",
+        "fwd_bwd_s",
+        "optimizer_s",
+        "peak_mem_gb",
+    ]:
+        assert all(float(r[key]) > 0 for r in rows), key
+    assert rows[0]["loss_scale"] == ""  # fp32: no loss scale
+    ranks = list(csv.DictReader((run_dir / "ranks.csv").open()))
+    assert [int(r["rank"]) for r in ranks] == [0, 0, 0, 0]
+
+    events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ["Train/Samples/train_loss", "Train/Samples/lr", "Throughput/tokens_per_s", "Throughput/mfu",
+                "Time/fwd_bwd_s", "Memory/peak_gb_max_rank", "Eval/Samples/val_loss"]:  # fmt: skip
+        assert tag in tags, (tag, tags)
+    loss = acc.Scalars("Train/Samples/train_loss")
+    assert [e.step for e in loss] == [8, 16, 24, 32]  # samples seen: 4 per step
+    assert [e.value for e in loss] == pytest.approx([float(r["loss"]) for r in rows], rel=1e-5)
+    assert len(acc.Scalars("Train/Samples/lr")) == 8  # DeepSpeed's own, every step
+    assert (run_dir / "csv_monitor" / "Train_Samples_train_loss.csv").is_file()
+
+    plotted = subprocess.run(
+        [str(BIN / "pretrain"), "plot", str(run_dir)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert plotted.returncode == 0, plotted.stderr
+    assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_wandb_is_dropped_with_a_note_when_not_installed(capsys):
+    import importlib.util
+
+    from pretrain.metrics import available_monitors
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here; the fallback is for machines without it")
+    ds = {"wandb": {"enabled": True, "project": "p"}, "tensorboard": {"enabled": True}, "train_batch_size": 1}
+    out = available_monitors(ds)
+    assert "wandb" not in out and out["tensorboard"] == {"enabled": True} and "wandb" in ds
+    assert "logging.wandb is on but `wandb` is not installed" in capsys.readouterr().out
