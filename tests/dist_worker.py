@@ -62,7 +62,12 @@ def main() -> None:
             world_size=dist.world_size,
         )
         res = train(cfg, dist)
-        results[name] = {"losses": res.losses, "val_loss": res.val_loss, "optimizer": res.optimizer}
+        results[name] = {
+            "losses": res.losses,
+            "val_loss": res.val_loss,
+            "optimizer": res.optimizer,
+            "run_dir": str(cfg.run_dir()),
+        }
     if dist.is_main:
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))
 

@@ -15,6 +15,7 @@ from pretrain.config import (
     RunConfig,
     build,
     check_with_deepspeed,
+    deep_merge,
     render_deepspeed,
     tree_from_deepspeed,
     validate,
@@ -129,6 +130,7 @@ def test_presets_validate(name):
     "overrides",
     [
         ["zero.stage=0"],
+        ["zero.stage=0", "optimizer.torch_fused=false"],
         ["zero.stage=1", "precision.bf16=true", "optimizer.fused_adam=true"],
         [
             "zero.stage=2",
@@ -137,7 +139,9 @@ def test_presets_validate(name):
             "batch.gradient_accumulation_steps=4",
         ],
         ["zero.stage=3", "zero.offload_param=true", "zero.offload_optimizer=true"],
-        ["deepspeed_extra={tensorboard: {enabled: true, output_path: tb}}"],
+        ["logging.tensorboard=false"],
+        ["logging.csv_monitor=true", "logging.wandb=true", "logging.wandb_group=ablations"],
+        ["deepspeed_extra={comet: {enabled: false}}"],
     ],
 )
 def test_render_then_read_back_is_the_same_tree(overrides):
@@ -145,10 +149,10 @@ def test_render_then_read_back_is_the_same_tree(overrides):
     ds = render_deepspeed(cfg)
     check_with_deepspeed(ds)
     back = validate(
-        {
-            **cfg.model_dump(exclude={"batch", "optimizer", "precision", "zero", "deepspeed_extra"}),
-            **tree_from_deepspeed(ds),
-        },
+        deep_merge(
+            cfg.model_dump(exclude={"batch", "optimizer", "precision", "zero", "deepspeed_extra"}),
+            tree_from_deepspeed(ds),
+        ),
         world_size=2,
     )
     assert back == cfg
@@ -228,3 +232,41 @@ def test_zero2_offload_is_the_a100x16_6p7b_config():
     assert cfg.batch.data_parallel_size == 16
     with pytest.raises(ConfigError, match="does not match the world size"):
         build("gpt-6.7b", ds_file=ROOT / "ds_configs" / "zero2_offload.json", world_size=2)
+
+
+def test_monitors_render_under_the_run_dir_and_read_back():
+    cfg = build(
+        "tiny",
+        overrides=["logging.run_dir=/tmp/r1", "logging.csv_monitor=true", "logging.wandb=true"],
+        world_size=1,
+    )
+    ds = render_deepspeed(cfg)
+    assert ds["tensorboard"] == {"enabled": True, "output_path": "/tmp/r1", "job_name": "tensorboard"}
+    assert ds["csv_monitor"] == {"enabled": True, "output_path": "/tmp/r1", "job_name": "csv_monitor"}
+    assert ds["wandb"] == {"enabled": True, "project": "pretrain"}
+    check_with_deepspeed(ds)
+    # DeepSpeed's own monitor config parser sees them enabled
+    from deepspeed.monitor.config import get_monitor_config
+
+    assert get_monitor_config(ds).enabled
+    off = render_deepspeed(build("tiny", overrides=["logging.tensorboard=false"], world_size=1))
+    assert not {"tensorboard", "csv_monitor", "wandb"} & set(off)
+
+
+def test_foreign_monitor_sections_read_back_into_logging():
+    tree = tree_from_deepspeed(
+        {"train_micro_batch_size_per_gpu": 2, "wandb": {"enabled": True, "project": "p", "team": "t"}}
+    )
+    assert tree["logging"] == {
+        "wandb": True,
+        "wandb_project": "p",
+        "wandb_team": "t",
+        "tensorboard": False,  # absent from a DeepSpeed JSON means off
+        "csv_monitor": False,
+    }
+    assert "deepspeed_extra" not in tree
+    with pytest.raises(ConfigError) as info:
+        tree_from_deepspeed({"tensorboard": {"enabled": True, "outptu_path": "x"}, "csv_monitor": {"foo": 1}})
+    assert "tensorboard.outptu_path" in str(info.value) and "csv_monitor.foo" in str(info.value)
+    with pytest.raises(ConfigError, match="modeled by the tree"):
+        validate({"deepspeed_extra": {"tensorboard": {"enabled": True}}})

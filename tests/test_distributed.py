@@ -80,3 +80,27 @@ def test_accumulation_matches_a_larger_micro_batch(runs):
     diff = max(abs(a - b) for a, b in zip(losses(runs, "zero0"), losses(runs, "accum4_micro1"), strict=True))
     print(f"accum 4 x micro 1 vs accum 1 x micro 4: max diff {diff:.2e}")
     assert diff < 1e-4
+
+
+def test_metrics_cover_both_ranks(runs):
+    """Rank 0 logs each rank's throughput, phase times and peak memory, and the totals over both."""
+    import csv
+
+    for name in ["zero0", "zero3", "accum4_micro1"]:
+        run_dir = Path(runs[name]["run_dir"])
+        with (run_dir / "metrics.csv").open() as f:
+            rows = [r for r in csv.DictReader(f) if r["loss"]]
+        with (run_dir / "ranks.csv").open() as f:
+            per_rank = list(csv.DictReader(f))
+        assert [int(r["step"]) for r in rows] == list(range(1, 21))
+        assert sorted({int(r["rank"]) for r in per_rank}) == [0, 1]
+        assert len(per_rank) == 2 * 20
+        for r in rows:
+            total, one = float(r["tokens_per_s"]), float(r["tokens_per_s_per_rank"])
+            assert total == pytest.approx(2 * one, rel=1e-4)
+            assert float(r["samples_per_s"]) * 64 == pytest.approx(total, rel=1e-4)  # block_size 64
+            assert float(r["peak_mem_gb"]) > 0.05 and float(r["mfu"]) > 0
+            assert float(r["grad_norm"]) > 0  # stage 0 computes it itself, stages 1-3 ask DeepSpeed
+        assert all(float(r["fwd_bwd_s"]) > 0 for r in per_rank)
+        assert (run_dir / "tensorboard").is_dir()  # rank 0 only: one event file
+        assert len(list((run_dir / "tensorboard").iterdir())) == 1
