@@ -432,6 +432,15 @@ class Document:
     last: bool  # ends its input file (an end-of-text token follows it)
 
 
+def _decode_counted(raw: bytes, on_error: str, stats: CleanStats) -> tuple[str | None, int]:
+    """`decode`, counting undecodable bytes and documents in the report."""
+    text, bad = decode(raw, on_error)
+    if bad:
+        stats.undecodable_bytes += bad
+        stats.undecodable_documents += 1
+    return text, bad
+
+
 def read_chunk(chunk: Chunk, text_field: str, cleaner: Cleaner, stats: CleanStats) -> Iterator[Document]:
     """The cleaned documents of one chunk, counting everything dropped or changed in `stats`.
 
@@ -452,10 +461,7 @@ def read_chunk(chunk: Chunk, text_field: str, cleaner: Cleaner, stats: CleanStat
         if chunk.start == 0 and raw.startswith(_BOM):
             raw = raw[len(_BOM) :]
         name = chunk.name if chunk.piece == 0 and chunk.last else f"{chunk.name}#{chunk.piece}"
-        text, bad = decode(raw, on_error)
-        if bad:
-            stats.undecodable_bytes += bad
-            stats.undecodable_documents += 1
+        text, bad = _decode_counted(raw, on_error, stats)
         if text is None:
             stats.remove("undecodable", len(raw), f"{chunk.path}: {bad} undecodable bytes in {name}")
             return
@@ -470,10 +476,7 @@ def read_chunk(chunk: Chunk, text_field: str, cleaner: Cleaner, stats: CleanStat
         if not line.strip():
             continue
         stats.documents_in += 1
-        text, bad = decode(line, on_error)
-        if bad:
-            stats.undecodable_bytes += bad
-            stats.undecodable_documents += 1
+        text, bad = _decode_counted(line, on_error, stats)
         if text is None:
             stats.remove("undecodable", len(line), f"{chunk.path} at byte {at}: {bad} undecodable bytes")
             continue
