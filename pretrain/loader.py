@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pretrain.corpus import DataError
+from pretrain.errors import DataError
 from pretrain.shards import open_shard
 
 BLOCK = 1 << 16  # positions per blend block and per cached permutation block

@@ -24,6 +24,8 @@ from typing import IO, Any
 import torch
 import torch.distributed as tdist
 
+from pretrain.files import write_atomic
+
 FIELDS = [
     "step",
     "loss",
@@ -122,9 +124,7 @@ def cpu_peak_tflops(dtype: torch.dtype = torch.float32, probe_s: float = 0.3) ->
     tflops = rate / 1e12
     cache[key] = tflops
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cache, indent=1) + "\n")
-    tmp.replace(path)  # atomic: ranks of other runs may read it at the same time
+    write_atomic(path, json.dumps(cache, indent=1) + "\n")  # ranks of other runs may read it meanwhile
     return tflops
 
 
@@ -351,6 +351,25 @@ def progress_enabled(mode: bool | str, stream: IO[str] = sys.stderr) -> bool:
     return stream.isatty() if mode == "auto" else bool(mode)
 
 
+def _phase_split(row: dict[str, Any]) -> str:
+    split = "/".join(f"{1000 * row.get(p + '_s', 0.0):.0f}" for p in PHASES)
+    return f"{row['step_time_s'] * 1000:.0f} ms/step (data/fwd+bwd/opt {split})"
+
+
+# The stdout line of a log step: each part shown when its key is in the row.
+_LINE: list[tuple[str, Any]] = [
+    ("loss", lambda r: f"loss {r['loss']:.4f}"),
+    ("val_loss", lambda r: f"val_loss {r['val_loss']:.4f} val_ppl {r['val_ppl']:.2f}"),
+    ("lr", lambda r: f"lr {r['lr']:.2e}"),
+    ("grad_norm", lambda r: f"gnorm {r['grad_norm']:.3f}"),
+    ("loss_scale", lambda r: f"scale {r['loss_scale']:g}"),
+    ("tokens_per_s", lambda r: f"{r['tokens_per_s']:,.0f} tok/s"),
+    ("mfu", lambda r: f"mfu {100 * r['mfu']:.1f}%"),
+    ("step_time_s", _phase_split),
+    ("peak_mem_gb", lambda r: f"peak {r['peak_mem_gb']:.2f} GB"),
+]
+
+
 class MetricsLog:
     """Rank 0's log: `metrics.csv` (a resumed run continues it), `ranks.csv`, DeepSpeed's monitors,
     a line per log step on stdout and a tqdm bar with an ETA on stderr."""
@@ -427,25 +446,7 @@ class MetricsLog:
 
     def _line(self, step: int, row: dict[str, Any]) -> str:
         parts = [f"step {step:>6}/{self.max_steps}"]
-        if row.get("loss") is not None:
-            parts.append(f"loss {row['loss']:.4f}")
-        if row.get("val_loss") is not None:
-            parts.append(f"val_loss {row['val_loss']:.4f} val_ppl {row['val_ppl']:.2f}")
-        if row.get("lr") is not None:
-            parts.append(f"lr {row['lr']:.2e}")
-        if row.get("grad_norm") is not None:
-            parts.append(f"gnorm {row['grad_norm']:.3f}")
-        if row.get("loss_scale") is not None:
-            parts.append(f"scale {row['loss_scale']:g}")
-        if row.get("tokens_per_s") is not None:
-            parts.append(f"{row['tokens_per_s']:,.0f} tok/s")
-        if row.get("mfu") is not None:
-            parts.append(f"mfu {100 * row['mfu']:.1f}%")
-        if row.get("step_time_s") is not None:
-            split = "/".join(f"{1000 * row.get(p + '_s', 0.0):.0f}" for p in PHASES)
-            parts.append(f"{row['step_time_s'] * 1000:.0f} ms/step (data/fwd+bwd/opt {split})")
-        if row.get("peak_mem_gb") is not None:
-            parts.append(f"peak {row['peak_mem_gb']:.2f} GB")
+        parts += [show(row) for key, show in _LINE if row.get(key) is not None]
         if row.get("step_time_s") is not None:
             eta = (self.max_steps - step) * row["step_time_s"] if step < self.max_steps else 0.0
             parts.append(f"eta {_duration(eta)}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pretrain.corpus import DataError
+from pretrain.errors import DataError
 from pretrain.metrics import read_csv
 
 

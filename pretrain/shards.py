@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrain.corpus import DataError
+from pretrain.errors import DataError
+from pretrain.files import AtomicFile
 
 MAGIC = b"PRTSHARD"
 VERSION = 1
@@ -65,16 +66,9 @@ def write_shard(path: str | Path, tokens: np.ndarray, n_docs: int) -> ShardInfo:
     payload = np.ascontiguousarray(tokens, dtype=_DTYPES[code])
     digest = hashlib.sha256(payload.data.cast("B")).digest()
     header = _HEADER.pack(MAGIC, VERSION, code, payload.size, n_docs, digest).ljust(HEADER_SIZE, b"\0")
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header)
-            f.write(payload.data.cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with AtomicFile(path) as f:
+        f.write(header)
+        f.write(payload.data.cast("B"))
     return ShardInfo(path, _DTYPES[code], int(payload.size), n_docs, digest.hex())
 
 
@@ -83,9 +77,9 @@ class _OpenShard:
 
     def __init__(self, path: Path, code: int) -> None:
         self.path = path
-        self.tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        self.file = AtomicFile(path)
+        self.f = self.file.f
         self.code = code
-        self.f = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish/discard
         self.f.write(b"\0" * HEADER_SIZE)
         self.sha = hashlib.sha256()
         self.n_tokens = 0
@@ -103,19 +97,15 @@ class _OpenShard:
         digest = self.sha.digest()
         self.f.seek(0)
         self.f.write(_HEADER.pack(MAGIC, VERSION, self.code, self.n_tokens, self.n_docs, digest))
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        os.replace(self.tmp, self.path)
+        self.file.commit()
         return ShardInfo(self.path, _DTYPES[self.code], self.n_tokens, self.n_docs, digest.hex())
 
     def payload(self) -> np.ndarray:
         self.f.flush()
-        return np.fromfile(self.tmp, dtype=_DTYPES[self.code], offset=HEADER_SIZE)
+        return np.fromfile(self.file.tmp, dtype=_DTYPES[self.code], offset=HEADER_SIZE)
 
     def discard(self) -> None:
-        self.f.close()
-        self.tmp.unlink(missing_ok=True)
+        self.file.discard()
 
 
 class ShardWriter:

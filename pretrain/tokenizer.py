@@ -30,7 +30,8 @@ import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks, load_tiktoken_bpe
 from tiktoken_ext.openai_public import r50k_pat_str
 
-from pretrain.corpus import DataError
+from pretrain.errors import DataError
+from pretrain.files import write_atomic
 
 ENDOFTEXT = "<|endoftext|>"
 GPT2_EOT = 50256
@@ -47,9 +48,7 @@ _PRETOKENIZE = regex.compile(r50k_pat_str)
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1) + "\n")
 
 
 def _read_json(path: str | Path) -> dict[str, Any]:
@@ -295,9 +294,7 @@ class BPETokenizer(TiktokenTokenizer):
         path = Path(path)
         ranks = sorted(self.enc._mergeable_ranks.items(), key=lambda kv: kv[1])
         lines = b"".join(base64.b64encode(tok) + b" " + str(rank).encode() + b"\n" for tok, rank in ranks)
-        tmp = path.with_name(f"{BPE_RANKS_FILE}.tmp-{os.getpid()}")
-        tmp.write_bytes(lines)
-        os.replace(tmp, path.with_name(BPE_RANKS_FILE))
+        write_atomic(path.with_name(BPE_RANKS_FILE), lines)
         _write_json(
             path,
             {

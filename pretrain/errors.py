@@ -1,0 +1,63 @@
+"""Every error meant for a person, in one place. Standard library only: the command line catches
+these without importing torch.
+
+`pretrain` prints a `PretrainError` as one message, with no traceback, and exits 2. Anything else
+that escapes is a bug.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+
+class PretrainError(Exception):
+    """A problem a person can fix: the message names it and the fix.
+
+    `collective` errors are raised on every rank alike, so only rank 0 prints them."""
+
+    collective = True
+
+
+def _listing(head: str, problems: list[str]) -> str:
+    return "\n".join([head, *(f"  - {p}" for p in problems)])
+
+
+class ConfigError(PretrainError, ValueError):
+    """A config problem: the message lists every problem, one per line."""
+
+    def __init__(self, problems: list[str], source: str = "config") -> None:
+        self.problems = problems
+        self.source = source
+        super().__init__(
+            _listing(
+                f"invalid {source} ({len(problems)} problem{'s' if len(problems) != 1 else ''}):", problems
+            )
+        )
+
+
+class HostfileError(PretrainError, ValueError):
+    """A hostfile problem: every bad line, one per line of the message."""
+
+    def __init__(self, problems: list[str], source: str = "hostfile") -> None:
+        self.problems = problems
+        self.source = source
+        super().__init__(_listing(f"invalid hostfile {source}:", problems))
+
+
+class DataError(PretrainError):
+    """A data problem: the message names the file and the problem."""
+
+
+class CheckpointError(PretrainError, RuntimeError):
+    """A checkpoint problem (unwritable dir, full disk, nothing valid to load). Pass
+    `collective=False` when only this rank saw it, so that it prints it itself."""
+
+    def __init__(self, message: str, collective: bool = True) -> None:
+        super().__init__(message)
+        self.collective = collective
+
+
+def did_you_mean(name: str, choices: list[str] | set[str]) -> str:
+    """' (did you mean 'x'?)' for the closest of `choices`, or '' if none is close."""
+    close = difflib.get_close_matches(name, sorted(choices), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
