@@ -17,32 +17,24 @@
 # own traffic uses that interface too. Ranks get this PATH as it is: Open MPI would put its own bin
 # first (/usr/bin), whose `ninja` is not the venv's, and DeepSpeed would rebuild its ops.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-die() { echo "launch/mpirun.sh: $*" >&2; exit 2; }
-[ $# -ge 1 ] || die "usage: launch/mpirun.sh HOSTFILE [pretrain train args...]"
+# shellcheck source=launch/common.sh
+. "$(dirname "$0")/common.sh" "$0" 1 "HOSTFILE [pretrain train args...]" "$@"
 hostfile=$1
 shift
-python=${PYTHON:-$PWD/.venv/bin/python}
-[ -x "$python" ] || die "no interpreter at $python: run ./setup.sh or set PYTHON"
 mpirun=${MPIRUN:-$(command -v mpirun.openmpi || command -v mpirun || true)}
 [ -n "$mpirun" ] || die "no mpirun: install Open MPI (apt-get install openmpi-bin) or set MPIRUN"
 [[ $("$mpirun" --version 2>&1 || true) =~ Open\ MPI|OpenRTE ]] || die "$mpirun is not Open MPI's mpirun: set MPIRUN"
-world=$("$python" -m pretrain.launch hostfile "$hostfile" --world-size)  # also validates every line
-master=${MASTER_ADDR:-$("$python" -m pretrain.launch hostfile "$hostfile" --first)}
-port=${MASTER_PORT:-29500}
-[[ $master =~ ^[A-Za-z0-9._-]+$ ]] || die "MASTER_ADDR='$master' is not a host name or address"
-[[ $port =~ ^[0-9]+$ ]] || die "MASTER_PORT='$port' is not a port number"
+world=$("$python" -m pretrain hostfile "$hostfile" --world-size)  # also validates every line
+use_master "$hostfile"
 
 export MASTER_ADDR=$master MASTER_PORT=$port MPI4PY_MPIABI=openmpi
 exports=(-x MASTER_ADDR -x MASTER_PORT -x MPI4PY_MPIABI)
+export_launch_env "$@"
 ifname=
-launch_env=$("$python" -m pretrain.launch env "$@")  # a config error stops here
-while IFS='=' read -r key value; do
-    [ -n "$key" ] || continue
-    export "$key=$value"
+for key in "${launch_keys[@]}"; do
     exports+=(-x "$key")
-    [ "$key" = GLOO_SOCKET_IFNAME ] && ifname=$value
-done <<< "$launch_env"
+    if [ "$key" = GLOO_SOCKET_IFNAME ]; then ifname=$GLOO_SOCKET_IFNAME; fi
+done
 mca=()
 if [ -n "$ifname" ] && [[ $ifname != ^* && $ifname != =* ]]; then
     mca=(--mca btl_tcp_if_include "$ifname" --mca oob_tcp_if_include "$ifname")

@@ -11,28 +11,17 @@
 #   PYTHON       the venv's interpreter (default: .venv/bin/python of this checkout)
 # The config's `launch` section (NCCL_SOCKET_IFNAME, NCCL_DEBUG, ...) is exported to the ranks.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-die() { echo "launch/no_ssh.sh: $*" >&2; exit 2; }
-[ $# -ge 2 ] || die "usage: launch/no_ssh.sh HOSTFILE NODE_RANK [pretrain train args...]"
+# shellcheck source=launch/common.sh
+. "$(dirname "$0")/common.sh" "$0" 2 "HOSTFILE NODE_RANK [pretrain train args...]" "$@"
 hostfile=$1
 node_rank=$2
 shift 2
-python=${PYTHON:-$PWD/.venv/bin/python}
-[ -x "$python" ] || die "no interpreter at $python: run ./setup.sh or set PYTHON"
 [[ $node_rank =~ ^[0-9]+$ ]] || die "NODE_RANK='$node_rank' is not a number"
-nodes=$("$python" -m pretrain.launch hostfile "$hostfile" --count)
+nodes=$("$python" -m pretrain hostfile "$hostfile" --count)
 [ "$node_rank" -lt "$nodes" ] || die "NODE_RANK $node_rank: $hostfile has $nodes hosts (0..$((nodes - 1)))"
-master=${MASTER_ADDR:-$("$python" -m pretrain.launch hostfile "$hostfile" --first)}
-port=${MASTER_PORT:-29500}
-[[ $master =~ ^[A-Za-z0-9._-]+$ ]] || die "MASTER_ADDR='$master' is not a host name or address"
-[[ $port =~ ^[0-9]+$ ]] || die "MASTER_PORT='$port' is not a port number"
+use_master "$hostfile"
 
 # DeepSpeed reads .deepspeed_env only when it launches over ssh; export the variables here.
-# Values are checked by the config (no spaces, quotes or '$'), and nothing in them is evaluated.
-launch_env=$("$python" -m pretrain.launch env "$@")  # a config error stops here
-while IFS='=' read -r key value; do
-    [ -n "$key" ] || continue
-    export "$key=$value"
-done <<< "$launch_env"
+export_launch_env "$@"
 exec "$python" -m deepspeed.launcher.runner --hostfile "$hostfile" --no_ssh --node_rank "$node_rank" \
     --master_addr "$master" --master_port "$port" pretrain/main.py "$@"

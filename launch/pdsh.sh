@@ -15,16 +15,11 @@
 # The config's `launch` section (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_DEBUG, ...) is rendered (as
 # `pretrain launch-env` prints it) and exported to every rank through DS_ENV_FILE.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-die() { echo "launch/pdsh.sh: $*" >&2; exit 2; }
-[ $# -ge 1 ] || die "usage: launch/pdsh.sh HOSTFILE [pretrain train args...]"
+# shellcheck source=launch/common.sh
+. "$(dirname "$0")/common.sh" "$0" 1 "HOSTFILE [pretrain train args...]" "$@"
 hostfile=$1
 shift
-python=${PYTHON:-$PWD/.venv/bin/python}
-[ -x "$python" ] || die "no interpreter at $python: run ./setup.sh or set PYTHON"
-# Validates every line (host names included) before any of them reaches pdsh.
-master=${MASTER_ADDR:-$("$python" -m pretrain.launch hostfile "$hostfile" --first)}
-port=${MASTER_PORT:-29500}
+use_master "$hostfile"  # validates every line (host names included) before any of them reaches pdsh
 filters=()
 for name in INCLUDE EXCLUDE; do
     value=${!name:-}
@@ -32,8 +27,6 @@ for name in INCLUDE EXCLUDE; do
     [[ $value =~ ^[A-Za-z0-9._:,@-]+$ ]] || die "$name='$value': host names, ':' slots, ',' and '@' only"
     filters+=("--${name,,}" "$value")
 done
-[[ $master =~ ^[A-Za-z0-9._-]+$ ]] || die "MASTER_ADDR='$master' is not a host name or address"
-[[ $port =~ ^[0-9]+$ ]] || die "MASTER_PORT='$port' is not a port number"
 ssh_port=()
 if [ -n "${SSH_PORT:-}" ]; then
     [[ $SSH_PORT =~ ^[0-9]+$ ]] || die "SSH_PORT='$SSH_PORT' is not a port number"
@@ -42,7 +35,7 @@ fi
 
 env_file=$(mktemp "${TMPDIR:-/tmp}/pretrain-env.XXXXXX")
 trap 'rm -f "$env_file"' EXIT
-"$python" -m pretrain.launch env "$@" > "$env_file"
+"$python" -m pretrain launch-env "$@" > "$env_file"
 # DeepSpeed reads this file instead of ./.deepspeed_env or ~/.deepspeed_env, which may be stale.
 export DS_ENV_FILE=$env_file
 "$python" -m deepspeed.launcher.runner --hostfile "$hostfile" "${filters[@]}" "${ssh_port[@]}" \
