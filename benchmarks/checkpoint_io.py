@@ -47,15 +47,16 @@ def launch(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> None:
     import torch.distributed as tdist
 
-    from pretrain import checkpoint
+    from pretrain import checkpoint, guards
     from pretrain import engine as ds_engine
-    from pretrain.config import build, render_deepspeed
+    from pretrain.ds_config import render_deepspeed
     from pretrain.export import consolidated_state_dict
     from pretrain.model import analytic_num_params
+    from pretrain.presets import build
 
     dist = ds_engine.launch_env()
     ds_engine.init_distributed(dist)
-    group = checkpoint.control_group()
+    group = guards.control_group()
     root = Path(args.dir)
     rows = []
     for name in args.models.split(","):

@@ -36,8 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pretrain.config import DataConfig  # noqa: E402
-from pretrain.corpus import DataError, shakespeare_files  # noqa: E402
-from pretrain.prepare import load_manifest, prepare  # noqa: E402
+from pretrain.corpus import shakespeare_files  # noqa: E402
+from pretrain.dataset import load_manifest  # noqa: E402
+from pretrain.errors import DataError  # noqa: E402
+from pretrain.prepare import prepare  # noqa: E402
 from pretrain.shards import HEADER_SIZE, read_header  # noqa: E402
 from pretrain.tokenizer import TiktokenTokenizer  # noqa: E402
 

@@ -25,13 +25,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pretrain import engine  # noqa: E402
-from pretrain.config import RunConfig, build, render_deepspeed  # noqa: E402
+from pretrain.config import RunConfig  # noqa: E402
+from pretrain.dataset import load_manifest, resolve_vocab  # noqa: E402
+from pretrain.ds_config import render_deepspeed  # noqa: E402
 from pretrain.loader import ShardedLoader  # noqa: E402
 from pretrain.metrics import PHASES, PhaseTimer, read_csv  # noqa: E402
 from pretrain.model import GPT  # noqa: E402
-from pretrain.prepare import load_manifest, prepare  # noqa: E402
+from pretrain.prepare import prepare  # noqa: E402
+from pretrain.presets import build  # noqa: E402
 from pretrain.schedule import lr_at  # noqa: E402
-from pretrain.train import resolve_vocab, train  # noqa: E402
+from pretrain.train import train  # noqa: E402
 
 SHAPE = [
     "model.n_layer=4",

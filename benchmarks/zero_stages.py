@@ -187,10 +187,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as tdist
 
     from pretrain import engine as ds_engine
-    from pretrain.config import build, render_deepspeed
+    from pretrain.dataset import load_manifest, resolve_vocab
+    from pretrain.ds_config import render_deepspeed
     from pretrain.loader import ShardedLoader
-    from pretrain.prepare import load_manifest
-    from pretrain.train import resolve_vocab
+    from pretrain.presets import build
 
     stage, off, par = (int(v) for v in args.variant.split(","))
     micro, knobs = int(args.micro), args.knobs
@@ -296,10 +296,10 @@ def worker(args: argparse.Namespace) -> None:
 
 def predictions(micro: int, world: int, bucket: int, work: Path) -> dict[tuple[int, str], dict[str, float]]:
     """`pretrain plan`'s numbers for this shape, everything counted as host memory (a CPU run)."""
-    from pretrain.config import build
+    from pretrain.dataset import load_manifest
     from pretrain.model import analytic_num_params
     from pretrain.plan import comm_elements, plan_stages
-    from pretrain.prepare import load_manifest
+    from pretrain.presets import build
 
     vocab = load_manifest(work / "data")["tokenizer"]["vocab_size"]
     cfg = build(
@@ -466,8 +466,8 @@ def main() -> None:
     runs += [((s, False, False), micros[0], "default") for s in (1, 2, 3)]
     names = [variant_name(*v, m, k) for v, m, k in runs]
     if not args.report_only:
-        from pretrain.config import build
         from pretrain.prepare import prepare
+        from pretrain.presets import build
 
         data_cfg = build(
             "tiny", overrides=overrides(0, False, False, 1, "paper", 1, work, work / "data")

@@ -22,8 +22,6 @@ import os
 import random
 import re
 import shutil
-import signal
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,27 +30,21 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as tdist
 
 from pretrain.config import CheckpointConfig, RunConfig
+from pretrain.dataset import TOKENIZER_FILE, Dataset, datasets_sha256
+from pretrain.errors import CheckpointError, DataError
+from pretrain.files import format_bytes as _size
+from pretrain.files import fsync_dir, replace_dir, write_atomic
+from pretrain.guards import Faults, barrier, gather, world_of
 
 META = "pretrain_meta.json"
-TOKENIZER = "tokenizer.json"
+TOKENIZER = TOKENIZER_FILE  # a copy of the dataset's, so that a checkpoint samples on its own
 LATEST = "latest"
 UNIVERSAL = "universal"  # the universal conversion of step_N lives in step_N/universal/
 FORMAT_VERSION = 1
 _TAG = re.compile(r"^step_(\d{8})$")
 _TMP, _TRASH = ".tmp-", ".trash-"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint problem meant for a person (unwritable dir, full disk, nothing valid to load).
-
-    `collective` errors are raised on every rank alike, so only rank 0 needs to print them."""
-
-    def __init__(self, message: str, collective: bool = True) -> None:
-        super().__init__(message)
-        self.collective = collective
 
 
 def tag_for(step: int) -> str:
@@ -100,36 +92,6 @@ def load_file(path: Path) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# Collectives over a small gloo group (flags and file lists stay off the GPU); no-ops alone.
-
-
-def control_group() -> Any:
-    """A gloo group of all ranks for host-side agreement (stop, bad step, save errors)."""
-    if not (tdist.is_available() and tdist.is_initialized()):
-        return None
-    return tdist.new_group(backend="gloo")
-
-
-def _world(group: Any) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return tdist.get_rank(group), tdist.get_world_size(group)
-
-
-def _gather(obj: Any, group: Any) -> list[Any]:
-    if group is None:
-        return [obj]
-    out: list[Any] = [None] * tdist.get_world_size(group)
-    tdist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _barrier(group: Any) -> None:
-    if group is not None:
-        tdist.barrier(group=group)
-
-
-# ---------------------------------------------------------------------------------------------
 # Start-up checks
 
 
@@ -146,7 +108,7 @@ def preflight(ckpt_dir: Path, need_bytes: int, keep: int, group: Any) -> None:
     """Every rank: the checkpoint dir exists, is writable, and has room for a checkpoint. All ranks
     raise the same CheckpointError if any rank finds a problem. Rank 0 then removes leftovers of
     interrupted saves (`.tmp-*`) and prunes (`.trash-*`)."""
-    rank, _ = _world(group)
+    rank, _ = world_of(group)
     problems: list[str] = []
     notes: list[str] = []
     try:
@@ -174,7 +136,7 @@ def preflight(ckpt_dir: Path, need_bytes: int, keep: int, group: Any) -> None:
                 f"warning: {ckpt_dir} has {_size(free)} free; keeping {keep} checkpoints of about "
                 f"{_size(need_bytes)} (plus the one being written) may run out of space"
             )
-    reports = _gather((problems, notes), group)
+    reports = gather((problems, notes), group)
     all_problems = list(dict.fromkeys(p for probs, _ in reports for p in probs))
     if all_problems:
         raise CheckpointError("cannot save checkpoints:\n  - " + "\n  - ".join(all_problems))
@@ -184,15 +146,7 @@ def preflight(ckpt_dir: Path, need_bytes: int, keep: int, group: Any) -> None:
         for leftover in ckpt_dir.iterdir():
             if leftover.name.startswith((_TMP, _TRASH)) and leftover.is_dir():
                 shutil.rmtree(leftover, ignore_errors=True)
-    _barrier(group)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    raise AssertionError  # unreachable
+    barrier(group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,23 +245,6 @@ def _describe(path: Path, checksum: bool, fsync: bool = False) -> dict[str, Any]
     return out
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{_TMP}{path.name}")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def recorder(engine: Any) -> _RecordingEngine:
     if not isinstance(engine.checkpoint_engine, _RecordingEngine):
         engine.checkpoint_engine = _RecordingEngine(engine.checkpoint_engine)
@@ -335,7 +272,7 @@ def save(
         UNIVERSAL_CHECKPOINT_VERSION_VALUE,
     )
 
-    rank, world = _world(group)
+    rank, world = world_of(group)
     tag = tag_for(step)
     tmp_tag = f"{_TMP}{tag}"
     rec = recorder(engine)
@@ -349,13 +286,13 @@ def save(
     }
     engine.save_checkpoint(str(ckpt_dir), tag=tmp_tag, client_state=state, save_latest=False)
     written = {str(Path(p).relative_to(ckpt_dir / tmp_tag)): d for p, d in rec.written.items()}
-    reports = _gather((written, rec.errors), group)
+    reports = gather((written, rec.errors), group)
     errors = [f"rank {r}: {e}" for r, (_, errs) in enumerate(reports) for e in errs]
     tmp_dir = ckpt_dir / tmp_tag
     if errors:
         if rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)  # free what the partial save took
-        _barrier(group)
+        barrier(group)
         prev = latest_tag(ckpt_dir)
         kept = f"the previous checkpoint {prev} is intact" if prev else "no checkpoint was kept"
         free = shutil.disk_usage(ckpt_dir).free
@@ -383,17 +320,15 @@ def save(
             save_seconds=round(time.perf_counter() - t0, 3),
             files=files,
         )
-        _write_atomic(tmp_dir / META, json.dumps(meta, indent=1) + "\n")
-        _fsync_dir(tmp_dir)
+        write_atomic(tmp_dir / META, json.dumps(meta, indent=1) + "\n")
         final = ckpt_dir / tag
         if final.exists():  # an earlier save of this step that never became `latest`
             final.rename(ckpt_dir / f"{_TRASH}{tag}-{os.getpid()}")
         tmp_dir.rename(final)
-        _fsync_dir(ckpt_dir)
-        _write_atomic(ckpt_dir / LATEST, tag + "\n")
-        _fsync_dir(ckpt_dir)
+        fsync_dir(ckpt_dir)
+        write_atomic(ckpt_dir / LATEST, tag + "\n")
         prune(ckpt_dir, policy)
-    _barrier(group)
+    barrier(group)
     return tag
 
 
@@ -512,8 +447,8 @@ def verify(path: Path, checksums: bool = True, rank: int = 0, world: int = 1) ->
 
 def verify_all(path: Path, checksums: bool, group: Any) -> list[str]:
     """`verify` with the files shared out over the ranks; every rank gets every problem."""
-    rank, world = _world(group)
-    return [p for part in _gather(verify(path, checksums, rank, world), group) for p in part]
+    rank, world = world_of(group)
+    return [p for part in gather(verify(path, checksums, rank, world), group) for p in part]
 
 
 @dataclass(frozen=True)
@@ -605,6 +540,30 @@ def find(
     return Checkpoint(chosen.root, f"{chosen.tag}/{UNIVERSAL}", read_meta(uni))
 
 
+def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], warn: bool = True) -> None:
+    """Refuse to continue a checkpoint with another architecture or tokenizer; warn on other data."""
+    problems = []
+    saved_model = ckpt.meta.get("config", {}).get("model", {})
+    for key, value in cfg.model.model_dump(mode="json").items():
+        if (
+            key in saved_model
+            and saved_model[key] != value
+            and key not in ("dropout", "activation_checkpointing")
+        ):
+            problems.append(f"model.{key}: checkpoint has {saved_model[key]!r}, this run has {value!r}")
+    if ckpt.meta.get("tokenizer_fingerprint") != datasets[0].manifest["tokenizer"]["fingerprint"]:
+        problems.append("the tokenizer differs from the one the checkpoint was trained with")
+    if problems:
+        raise DataError(f"{ckpt.path}: cannot resume:\n  - " + "\n  - ".join(problems))
+    saved_data = ckpt.meta.get("data_manifest_sha256")
+    if warn and saved_data and saved_data != datasets_sha256(datasets):
+        print(
+            f"warning: {ckpt.path} was trained on another prepared dataset (its manifest differs); the data "
+            "order will not continue exactly",
+            flush=True,
+        )
+
+
 def _ranks(n: int) -> str:
     return f"{n} rank{'s' if n != 1 else ''}"
 
@@ -687,106 +646,11 @@ def convert_to_universal(src: Path, workers: int = 1, checksums: bool = True) ->
         if p.is_file()
     }
     umeta = {**meta, "format": "universal", "tag": f"{src.name}/{UNIVERSAL}", "files": files}
-    _write_atomic(tmp / META, json.dumps(umeta, indent=1) + "\n")
-    if out.exists():
-        trash = src / f"{_TRASH}{UNIVERSAL}"
-        out.rename(trash)
-        shutil.rmtree(trash, ignore_errors=True)
-    tmp.rename(out)
-    _fsync_dir(src)
+    write_atomic(tmp / META, json.dumps(umeta, indent=1) + "\n")
+    replace_dir(tmp, out)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Stopping on a signal, and the fault-injection hooks the tests use
-
-
-class StopOnSignal:
-    """While installed, SIGTERM and SIGINT only ask the loop to stop: it finishes the step, saves a
-    checkpoint on every rank and returns. Repeats are ignored (a launcher often passes on the
-    signal its ranks already got), except a second SIGINT: Ctrl-C twice interrupts at once."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> StopOnSignal:
-        if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGINT and self.signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = self.signum or signum
-
-    def uninstall(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous.clear()
-
-
-def agree(step_loss: torch.Tensor, signum: int | None, group: Any) -> tuple[bool, int]:
-    """(any rank's loss was non-finite, the signal any rank was asked to stop by, or 0), the same
-    on every rank."""
-    flags = torch.tensor([0 if bool(torch.isfinite(step_loss)) else 1, signum or 0], dtype=torch.int64)
-    if group is not None:
-        tdist.all_reduce(flags, op=tdist.ReduceOp.MAX, group=group)
-    return bool(flags[0]), int(flags[1])
 
 
 def gather_rng(group: Any) -> list[dict[str, Any]]:
     """Every rank's generators, in rank order (all ranks get the list; rank 0's copy is saved)."""
-    return _gather(rng_state(), group)
-
-
-class Faults:
-    """Faults injected through environment variables, for the tests (documented in the README):
-
-    - PRETRAIN_FAULT_NAN_STEPS="5,6": rank 0's loss is NaN on the batches that steps 5 and 6 of
-      an uninterrupted run train on (whenever the run meets those batches);
-    - PRETRAIN_FAULT_KILL="RANK:STEP": that rank sends itself SIGKILL after step STEP;
-    - PRETRAIN_FAULT_KILL_IN_SAVE="STEP": rank 0 sends itself SIGKILL while saving step STEP,
-      after writing its first file;
-    - PRETRAIN_FAULT_SIGTERM="RANK:STEP": that rank sends itself SIGTERM after step STEP (the run
-      then saves after the next step, on every rank, and stops).
-    Each kill happens once per run directory (a marker file `.fault-*` remembers it), so a
-    supervised restart gets past it.
-    """
-
-    def __init__(self, run_dir: Path, global_batch: int, env: dict[str, str] | None = None) -> None:
-        env = dict(os.environ if env is None else env)
-        self.run_dir = run_dir
-        steps = [int(s) for s in env.get("PRETRAIN_FAULT_NAN_STEPS", "").split(",") if s.strip()]
-        self.nan_batches = {(s - 1) * global_batch for s in steps}
-        kill = env.get("PRETRAIN_FAULT_KILL", "")
-        self.kill = tuple(int(x) for x in kill.split(":")) if kill else None
-        in_save = env.get("PRETRAIN_FAULT_KILL_IN_SAVE", "")
-        self.kill_in_save = int(in_save) if in_save else None
-        term = env.get("PRETRAIN_FAULT_SIGTERM", "")
-        self.sigterm = tuple(int(x) for x in term.split(":")) if term else None
-
-    def nan(self, batch_start: int, rank: int) -> bool:
-        return rank == 0 and batch_start in self.nan_batches
-
-    def after_step(self, step: int, rank: int) -> None:
-        if self.kill is not None and self.kill == (rank, step):
-            self._die(f"kill-{rank}-{step}")
-        if self.sigterm is not None and self.sigterm == (rank, step):
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def kill_in_save_hook(self, step: int, rank: int) -> Any:
-        if self.kill_in_save != step or rank != 0:
-            return None
-        return lambda path: self._die(f"kill-in-save-{step}")
-
-    def _die(self, name: str) -> None:
-        marker = self.run_dir / f".fault-{name}"
-        if marker.exists():
-            return
-        marker.write_text("fired\n")
-        print(f"fault injection: SIGKILL to pid {os.getpid()} ({name})", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+    return gather(rng_state(), group)

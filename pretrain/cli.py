@@ -1,7 +1,11 @@
-"""`pretrain` command line: train, prepare, render, config, presets.
+"""`pretrain` command line: train, prepare, render, config, presets, checkpoints, cluster tools.
 
 Every command takes the same config arguments: `--preset`, `--config run.yaml`, `--ds ds.json`
 and any number of `--set key=value`, applied in that order and validated once.
+
+This module imports neither torch nor DeepSpeed: each command imports what it needs when it runs,
+so that `--help`, `config`, `hostfile` and `launch-env` answer at once (the launch scripts call
+them before every launch).
 """
 
 from __future__ import annotations
@@ -14,18 +18,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pretrain.checkpoint import CheckpointError
-from pretrain.config import (
-    ConfigError,
-    RunConfig,
-    build,
-    check_with_deepspeed,
-    render_deepspeed,
-    to_yaml,
-)
-from pretrain.corpus import DataError
-from pretrain.launch import HostfileError
-from pretrain.presets import DS_CONFIG_RENDERS, PRESETS
+from pretrain.config import RunConfig, to_yaml
+from pretrain.ds_config import check_with_deepspeed, render_deepspeed
+from pretrain.errors import ConfigError, DataError, PretrainError
+from pretrain.launch import env_file_text, format_hostfile, launch_environment, read_hostfile, world_size
+from pretrain.presets import DS_CONFIG_RENDERS, PRESETS, build
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -157,6 +154,7 @@ def _add_launch_parsers(sub: Any) -> None:
     p.add_argument("path", help="DeepSpeed hostfile.")
     p.add_argument("--first", action="store_true", help="Print only the first host (the master).")
     p.add_argument("--world-size", action="store_true", help="Print only the total number of slots.")
+    p.add_argument("--count", action="store_true", help="Print only the number of hosts.")
 
 
 def _add_checkpoint_parsers(sub: Any) -> None:
@@ -248,7 +246,11 @@ def _supervise(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    import torch.distributed as tdist  # torch and DeepSpeed: only for the commands that run them
+
     from pretrain import engine
+    from pretrain.checkpoint import committed_tags
+    from pretrain.dataset import MANIFEST
     from pretrain.prepare import prepare
     from pretrain.train import train
 
@@ -258,16 +260,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     dist = engine.launch_env()
     cfg = _config(args, dist.world_size)
     engine.init_distributed(dist, timeout_s=cfg.launch.collective_timeout_s)
-    import torch.distributed as tdist
-
     # Rank 0 prepares the dataset if needed; the others wait and learn whether it worked.
     error = [None]
     if dist.is_main:
-        if not cfg.data.blend and not (cfg.data.resolved_dir() / "manifest.json").is_file():
-            print(
-                f"preparing {cfg.data.corpus} ({cfg.data.tokenizer}) into {cfg.data.resolved_dir()}",
-                flush=True,
-            )
+        if not cfg.data.blend and not (cfg.data.resolved_dir() / MANIFEST).is_file():
+            dist.log(f"preparing {cfg.data.corpus} ({cfg.data.tokenizer}) into {cfg.data.resolved_dir()}")
         try:
             prepare(cfg.data)
         except DataError as e:
@@ -277,15 +274,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise DataError(error[0])
     resume = args.resume
     restarts = os.environ.get("PRETRAIN_RESTART_COUNT") or os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if int(restarts or "0") > 0:
-        # Restarted after a failure (train --max-restarts): continue from the newest checkpoint.
-        from pretrain.checkpoint import committed_tags
-
-        if resume in (None, "auto") or committed_tags(cfg.run_dir() / cfg.checkpoint.dir)[0]:
-            resume = "auto"
+    # Restarted after a failure (train --max-restarts): continue from the newest checkpoint.
+    if int(restarts or "0") > 0 and (
+        resume in (None, "auto") or committed_tags(cfg.run_dir() / cfg.checkpoint.dir)[0]
+    ):
+        resume = "auto"
     result = train(cfg, dist, resume=resume)
-    if dist.is_main and result.val_loss is not None and result.stopped_by is None:
-        print(f"done: step {result.final_step}, val loss {result.val_loss:.4f}, run dir {cfg.run_dir()}")
+    if result.val_loss is not None and result.stopped_by is None:
+        dist.log(f"done: step {result.final_step}, val loss {result.val_loss:.4f}, run dir {cfg.run_dir()}")
     tdist.barrier()
     tdist.destroy_process_group()
     if result.stopped_by is not None:
@@ -294,7 +290,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from pretrain.checkpoint import convert_to_universal, resolve
+    from pretrain.checkpoint import convert_to_universal, resolve  # torch, DeepSpeed
 
     src = resolve(Path(args.src))
     out = convert_to_universal(src, workers=args.workers, checksums=not args.no_checksums)
@@ -307,7 +303,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from pretrain.export import export
+    from pretrain.export import export  # torch
 
     info = export(Path(args.src), Path(args.out), dtype=args.dtype, hf=not args.no_hf)
     print(
@@ -318,7 +314,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from pretrain.export import generate, load_model, tokenizer_for
+    from pretrain.export import generate, load_model, tokenizer_for  # torch
 
     model, cfg, where = load_model(Path(args.src), device=args.device)
     tokenizer = tokenizer_for(where, cfg, args.tokenizer_path)
@@ -351,7 +347,8 @@ def _add_prepare_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from pretrain.prepare import format_report, load_manifest, prepare, summary
+    from pretrain.dataset import load_manifest, summary
+    from pretrain.prepare import format_report, prepare  # numpy, tiktoken, the tokenizers
 
     cfg = _config(args, None)
     data = cfg.data
@@ -375,9 +372,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_render(args: argparse.Namespace) -> int:
     if not args.all:
-        ds = render_deepspeed(_config(args, args.world_size))
-        check_with_deepspeed(ds)
-        print(json.dumps(ds, indent=2))
+        print(_render_json(_config(args, args.world_size)), end="")
         return 0
     stale = []
     for name, (preset, overrides, world) in DS_CONFIG_RENDERS.items():
@@ -400,7 +395,13 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def render_file(preset: str, overrides: list[str], world_size: int) -> str:
-    ds = render_deepspeed(build(preset, overrides=overrides, world_size=world_size))
+    """One file of ds_configs/ (DS_CONFIG_RENDERS), as `render --all` writes it."""
+    return _render_json(build(preset, overrides=overrides, world_size=world_size))
+
+
+def _render_json(cfg: RunConfig) -> str:
+    """The DeepSpeed JSON of `cfg`, checked by DeepSpeed's own parser."""
+    ds = render_deepspeed(cfg)
     check_with_deepspeed(ds)
     return json.dumps(ds, indent=2) + "\n"
 
@@ -411,12 +412,13 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from pretrain.model import analytic_num_params
+    from pretrain.dataset import tokenizer_vocab_size  # tiktoken
+    from pretrain.model import analytic_num_params  # torch
 
     for name in PRESETS:
         cfg = build(name)
         m = cfg.model
-        vocab = m.vocab_size or (65 if cfg.data.tokenizer == "char" else 50257)
+        vocab = m.vocab_size or tokenizer_vocab_size(cfg.data)
         n = analytic_num_params(m.model_copy(update={"vocab_size": vocab}))
         print(
             f"{name:<10} {m.n_layer:>3} layers {m.n_head:>3} heads n_embd {m.n_embd:>5} "
@@ -426,7 +428,8 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from pretrain.plan import default_device_gb, plan_json, render_plan, resolve_vocab_for_plan
+    from pretrain.dataset import resolve_vocab, vocab_size
+    from pretrain.plan import default_device_gb, plan_json, render_plan  # torch
 
     if args.config_file in PRESETS and not Path(args.config_file).is_file():
         args.preset, args.config_file = args.preset or args.config_file, None  # `pretrain plan gpt2-124m`
@@ -434,7 +437,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.config:
             raise ConfigError(["pass the run config either as CONFIG or as --config, not both"], "plan")
         args.config = args.config_file
-    cfg, vocab_src = resolve_vocab_for_plan(_config(args, args.world_size))
+    cfg = _config(args, args.world_size)
+    vocab, vocab_src = vocab_size(cfg)
+    cfg = resolve_vocab(cfg, vocab)
     device_gb, device_src = default_device_gb(args.world_size)
     if args.device_gb:
         device_gb, device_src = args.device_gb, "--device-gb"
@@ -447,7 +452,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from pretrain.plot import plot_run
+    from pretrain.plot import plot_run  # matplotlib
 
     out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
     print(f"wrote {out}")
@@ -455,7 +460,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from pretrain.launch import read_hostfile, world_size
     from pretrain.preflight import Options, format_report, preflight
 
     hosts = read_hostfile(args.hostfile)
@@ -478,8 +482,6 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def cmd_launch_env(args: argparse.Namespace) -> int:
-    from pretrain.launch import env_file_text, launch_environment
-
     text = env_file_text(launch_environment(_config(args, None).launch))
     if args.output:
         Path(args.output).write_text(text)
@@ -489,13 +491,13 @@ def cmd_launch_env(args: argparse.Namespace) -> int:
 
 
 def cmd_hostfile(args: argparse.Namespace) -> int:
-    from pretrain.launch import format_hostfile, read_hostfile, world_size
-
     hosts = read_hostfile(args.path)
     if args.first:
         print(next(iter(hosts)))
     elif args.world_size:
         print(world_size(hosts))
+    elif args.count:
+        print(len(hosts))
     else:
         print(format_hostfile(hosts), end="")
     return 0
@@ -527,13 +529,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, DataError, HostfileError) as e:
-        # A person's mistake: one screen, no traceback, from one rank only.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    except CheckpointError as e:
-        # Raised on every rank alike (collective), or on the one rank that saw it.
+    except PretrainError as e:
+        # A person's mistake, or the machine's (a full disk): one message, no traceback. Raised on
+        # every rank alike (collective), printed by rank 0; or by the one rank that saw it.
         rank = os.environ.get("RANK", "0")
         if rank == "0" or not e.collective:
             print(f"error: {e}" if rank == "0" else f"error (rank {rank}): {e}", file=sys.stderr)

@@ -1,13 +1,13 @@
 """The settings tree: one pydantic model per section, the single source of truth for a run.
 
-Everything DeepSpeed needs is rendered from this tree by `render_deepspeed`; a DeepSpeed JSON
-can be read back into it by `tree_from_deepspeed`. World size is an input (`context`), never
-probed here.
+Here: the sections, their cross-field rules, reading config files and `--set` overrides, and
+`validate`, which reports every problem at once. The DeepSpeed JSON is rendered from the tree (and
+read back into it) in ds_config.py; presets and the layered build are in presets.py. World size is
+an input (`context`), never probed here.
 """
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
 from pathlib import Path
@@ -16,24 +16,25 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
-
-class ConfigError(ValueError):
-    """A config problem meant for a person: the message lists every problem, one per line."""
-
-    def __init__(self, problems: list[str], source: str = "config") -> None:
-        self.problems = problems
-        self.source = source
-        head = f"invalid {source} ({len(problems)} problem{'s' if len(problems) != 1 else ''}):"
-        super().__init__("\n".join([head, *(f"  - {p}" for p in problems)]))
+from pretrain.errors import ConfigError, did_you_mean
 
 
 class Section(BaseModel):
+    """A section of the tree: unknown fields are errors, bounds live in the field types, and the
+    rules across fields are `broken_rules`, all reported at once."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    def broken_rules(self, context: dict[str, Any]) -> list[str]:
+        """One message for each cross-field rule this section breaks (`context`: the world size)."""
+        return []
 
-def _raise_all(problems: list[str]) -> None:
-    if problems:
-        raise ValueError("; ".join(problems))
+    @model_validator(mode="after")
+    def _check(self, info: ValidationInfo) -> Section:
+        problems = self.broken_rules(info.context or {})
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,15 +62,12 @@ class ModelConfig(Section):
         False, description="Recompute each block's activations in backward to save memory."
     )
 
-    @model_validator(mode="after")
-    def _check(self) -> ModelConfig:
-        problems = []
+    def broken_rules(self, context: dict[str, Any]) -> list[str]:
         if self.n_embd % self.n_head:
-            problems.append(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        elif self.position == "rope" and (self.n_embd // self.n_head) % 2:
-            problems.append(f"RoPE needs an even head size, got n_embd/n_head = {self.n_embd // self.n_head}")
-        _raise_all(problems)
-        return self
+            return [f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"]
+        if self.position == "rope" and (self.n_embd // self.n_head) % 2:
+            return [f"RoPE needs an even head size, got n_embd/n_head = {self.n_embd // self.n_head}"]
+        return []
 
 
 class CleanConfig(Section):
@@ -111,14 +109,10 @@ class CleanConfig(Section):
     minhash_perms: int = Field(128, ge=16, le=1024, description="MinHash permutations per document.")
     shingle_words: int = Field(5, ge=1, le=32, description="Words per shingle (lowercased \\w+ words).")
 
-    @model_validator(mode="after")
-    def _check(self) -> CleanConfig:
-        _raise_all(
-            [f"min_chars ({self.min_chars}) is above max_chars ({self.max_chars})"]
-            if self.max_chars is not None and self.min_chars > self.max_chars
-            else []
-        )
-        return self
+    def broken_rules(self, context: dict[str, Any]) -> list[str]:
+        if self.max_chars is not None and self.min_chars > self.max_chars:
+            return [f"min_chars ({self.min_chars}) is above max_chars ({self.max_chars})"]
+        return []
 
 
 class BlendSource(Section):
@@ -246,14 +240,10 @@ class ScheduleConfig(Section):
     )
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine floor as a fraction of the peak.")
 
-    @model_validator(mode="after")
-    def _check(self) -> ScheduleConfig:
-        _raise_all(
-            [f"warmup_steps ({self.warmup_steps}) must be below max_steps ({self.max_steps})"]
-            if self.warmup_steps >= self.max_steps
-            else []
-        )
-        return self
+    def broken_rules(self, context: dict[str, Any]) -> list[str]:
+        if self.warmup_steps >= self.max_steps:
+            return [f"warmup_steps ({self.warmup_steps}) must be below max_steps ({self.max_steps})"]
+        return []
 
 
 class BatchConfig(Section):
@@ -266,9 +256,8 @@ class BatchConfig(Section):
         None, ge=1, description="Sequences per optimizer step. Derived; if given it must match."
     )
 
-    @model_validator(mode="after")
-    def _check(self, info: ValidationInfo) -> BatchConfig:
-        world = (info.context or {}).get("world_size")
+    def broken_rules(self, context: dict[str, Any]) -> list[str]:
+        world = context.get("world_size")
         problems = []
         if world is not None:
             if self.data_parallel_size is None:
@@ -288,8 +277,7 @@ class BatchConfig(Section):
                 )
             elif self.train_batch_size is None:
                 object.__setattr__(self, "train_batch_size", derived)
-        _raise_all(problems)
-        return self
+        return problems
 
 
 class PrecisionConfig(Section):
@@ -300,10 +288,8 @@ class PrecisionConfig(Section):
     hysteresis: int = Field(2, ge=1, description="fp16: overflows tolerated before the scale drops.")
     min_loss_scale: float = Field(1.0, gt=0, description="fp16: floor of the dynamic loss scale.")
 
-    @model_validator(mode="after")
-    def _check(self) -> PrecisionConfig:
-        _raise_all(["bf16 and fp16 cannot both be on"] if self.bf16 and self.fp16 else [])
-        return self
+    def broken_rules(self, context: dict[str, Any]) -> list[str]:
+        return ["bf16 and fp16 cannot both be on"] if self.bf16 and self.fp16 else []
 
     @property
     def name(self) -> str:
@@ -325,15 +311,13 @@ class ZeroConfig(Section):
         True, description="Stage 3: build the model under deepspeed.zero.Init, partitioned from the start."
     )
 
-    @model_validator(mode="after")
-    def _check(self) -> ZeroConfig:
+    def broken_rules(self, context: dict[str, Any]) -> list[str]:
         problems = []
         if self.offload_param and self.stage != 3:
             problems.append(f"offload_param needs stage 3 (stage is {self.stage})")
         if self.offload_optimizer and self.stage == 0:
             problems.append("offload_optimizer needs stage 1, 2 or 3 (stage is 0)")
-        _raise_all(problems)
-        return self
+        return problems
 
 
 class CheckpointConfig(Section):
@@ -436,8 +420,7 @@ class LaunchConfig(Section):
         "(keep the venv's bin first so DeepSpeed's op builds find the same ninja everywhere).",
     )
 
-    @model_validator(mode="after")
-    def _check(self) -> LaunchConfig:
+    def broken_rules(self, context: dict[str, Any]) -> list[str]:
         modeled = {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_DEBUG", "NCCL_IB_TIMEOUT"}
         problems = [
             f"{name}={value!r}: only letters, digits and _@%+=:,./^- (no spaces, quotes or $)"
@@ -453,8 +436,7 @@ class LaunchConfig(Section):
                 problems.append(
                     f"env: {key}={value!r}: only letters, digits and _@%+=:,./^- (no spaces, quotes or $)"
                 )
-        _raise_all(problems)
-        return self
+        return problems
 
 
 class RunConfig(Section):
@@ -478,16 +460,14 @@ class RunConfig(Section):
         description="DeepSpeed keys this tree does not model, passed through to the rendered JSON.",
     )
 
-    @model_validator(mode="after")
-    def _check(self) -> RunConfig:
+    def broken_rules(self, context: dict[str, Any]) -> list[str]:
         problems = [f"deepspeed_extra: {p}" for p in unknown_deepspeed_keys(self.deepspeed_extra)]
-        for key in sorted(_MODELED_KEYS & set(self.deepspeed_extra)):
+        for key in sorted(MODELED_DEEPSPEED_KEYS & set(self.deepspeed_extra)):
             sub = self.deepspeed_extra[key]
-            if key == "zero_optimization" and isinstance(sub, dict) and not set(sub) & set(_ZERO_KEYS):
+            if key == "zero_optimization" and isinstance(sub, dict) and not set(sub) & set(ZERO_KEYS):
                 continue  # unmodeled ZeRO knobs (e.g. stage3_prefetch_bucket_size) pass through
             problems.append(f"deepspeed_extra: '{key}' is modeled by the tree; set it there")
-        _raise_all(problems)
-        return self
+        return problems
 
     def run_dir(self) -> Path:
         return Path(self.logging.run_dir.format(preset=self.preset))
@@ -555,7 +535,7 @@ def validate(data: dict[str, Any], world_size: int | None = None, source: str = 
             where = _loc(err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
-                msg = f"unknown field{_suggest(str(err['loc'][-1]), _fields_at(err['loc'][:-1]))}"
+                msg = f"unknown field{did_you_mean(str(err['loc'][-1]), _fields_at(err['loc'][:-1]))}"
             elif "input" in err and err["type"] not in ("value_error", "missing"):
                 msg = f"{msg} (got {err['input']!r})"
             for part in msg.split("; ") if err["type"] == "value_error" else [msg]:
@@ -577,44 +557,15 @@ def _fields_at(loc: tuple[int | str, ...]) -> list[str]:
     return list(model.model_fields)
 
 
-def _suggest(name: str, choices: list[str] | set[str]) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def build(
-    preset: str | None = None,
-    config_file: str | Path | None = None,
-    ds_file: str | Path | None = None,
-    overrides: list[str] | None = None,
-    world_size: int | None = None,
-) -> RunConfig:
-    from pretrain.presets import preset_dict
-
-    data = preset_dict(preset or "tiny")
-    if config_file:
-        file_data = load_file(config_file)
-        data = deep_merge(data, file_data)
-        if preset is None and "preset" in file_data:
-            data = deep_merge(preset_dict(str(file_data["preset"])), file_data)
-    if ds_file:
-        data = deep_merge(data, tree_from_deepspeed(load_file(ds_file), source=str(ds_file)))
-    problems: list[str] = []
-    for item in overrides or []:
-        try:
-            data = deep_merge(data, parse_override(item))
-        except ConfigError as e:
-            problems += e.problems
-    if problems:
-        raise ConfigError(problems, "override")
-    return validate(data, world_size)
+def to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
 # ---------------------------------------------------------------------------------------------
-# DeepSpeed JSON: render from the tree, and read back into it.
+# The DeepSpeed keys `deepspeed_extra` may hold
 
-# Top-level keys of DeepSpeed's config that this tree writes itself.
-_MODELED_KEYS = {
+# Top-level keys of DeepSpeed's config that this tree writes itself (ds_config.py renders them).
+MODELED_DEEPSPEED_KEYS = {
     "train_batch_size",
     "train_micro_batch_size_per_gpu",
     "gradient_accumulation_steps",
@@ -677,252 +628,19 @@ DEEPSPEED_PASSTHROUGH_KEYS = {
 
 
 def unknown_deepspeed_keys(extra: dict[str, Any]) -> list[str]:
-    known = DEEPSPEED_PASSTHROUGH_KEYS | _MODELED_KEYS
+    known = DEEPSPEED_PASSTHROUGH_KEYS | MODELED_DEEPSPEED_KEYS
     return [
-        f"'{key}' is not a DeepSpeed config key{_suggest(key, known)}" for key in extra if key not in known
+        f"'{key}' is not a DeepSpeed config key{did_you_mean(key, known)}"
+        for key in extra
+        if key not in known
     ]
 
 
-def render_deepspeed(cfg: RunConfig) -> dict[str, Any]:
-    """The DeepSpeed JSON for this run. Needs a resolved data_parallel_size."""
-    b, z, p, o = cfg.batch, cfg.zero, cfg.precision, cfg.optimizer
-    if b.train_batch_size is None:
-        raise ConfigError(["batch.data_parallel_size is unresolved: pass a world size"], "render")
-    params: dict[str, Any] = {
-        "lr": o.lr,
-        "betas": list(o.betas),
-        "eps": o.eps,
-        "weight_decay": o.weight_decay,
-    }
-    if not z.offload_optimizer:
-        params["torch_adam"] = not o.fused_adam
-        if not o.fused_adam and o.torch_fused:
-            params["fused"] = True  # DeepSpeed passes extra params through to torch.optim.AdamW
-    zero: dict[str, Any] = {
-        "stage": z.stage,
-        "overlap_comm": z.overlap_comm,
-        "contiguous_gradients": z.contiguous_gradients,
-        "reduce_bucket_size": z.reduce_bucket_size,
-        "allgather_bucket_size": z.allgather_bucket_size,
-    }
-    if z.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": z.pin_memory}
-    if z.offload_param:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": z.pin_memory}
-    out: dict[str, Any] = {
-        "train_batch_size": b.train_batch_size,
-        "train_micro_batch_size_per_gpu": b.micro_batch_size,
-        "gradient_accumulation_steps": b.gradient_accumulation_steps,
-        "optimizer": {"type": "AdamW", "params": params},
-        "gradient_clipping": o.grad_clip,
-        "bf16": {"enabled": p.bf16},
-        "fp16": {
-            "enabled": p.fp16,
-            "loss_scale": 0,
-            "initial_scale_power": p.initial_scale_power,
-            "loss_scale_window": p.loss_scale_window,
-            "hysteresis": p.hysteresis,
-            "min_loss_scale": p.min_loss_scale,
-        },
-        "zero_optimization": zero,
-        # pretrain logs itself; keep DeepSpeed's own per-step prints out of the way.
-        "steps_per_print": 1_000_000_000,
-        "wall_clock_breakdown": False,
-        **render_monitors(cfg),
-    }
-    return deep_merge(out, cfg.deepspeed_extra)
-
-
-# DeepSpeed's monitors (deepspeed/monitor/config.py) that the tree models, in `logging`. Those with
-# files write under the run dir, each in its own subdirectory (DeepSpeed's `job_name`).
-MONITORS = ("tensorboard", "csv_monitor", "wandb")
-MONITOR_DIRS = {"tensorboard": "tensorboard", "csv_monitor": "csv_monitor"}
-
-
-def render_monitors(cfg: RunConfig) -> dict[str, Any]:
-    """DeepSpeed's monitor sections (only the enabled ones), all writing under the run dir."""
-    lg, out = cfg.logging, {}
-    for key, enabled in (("tensorboard", lg.tensorboard), ("csv_monitor", lg.csv_monitor)):
-        if enabled:
-            out[key] = {"enabled": True, "output_path": str(cfg.run_dir()), "job_name": MONITOR_DIRS[key]}
-    if lg.wandb:
-        wandb: dict[str, Any] = {"enabled": True, "project": lg.wandb_project}
-        if lg.wandb_group is not None:
-            wandb["group"] = lg.wandb_group
-        if lg.wandb_team is not None:
-            wandb["team"] = lg.wandb_team
-        out["wandb"] = wandb
-    return out
-
-
-_ZERO_KEYS = {
+# zero_optimization keys the `zero` section models: DeepSpeed's name -> the section's field.
+ZERO_KEYS = {
     "stage": "stage",
     "overlap_comm": "overlap_comm",
     "contiguous_gradients": "contiguous_gradients",
     "reduce_bucket_size": "reduce_bucket_size",
     "allgather_bucket_size": "allgather_bucket_size",
 }
-_FP16_KEYS = {"initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
-
-
-def tree_from_deepspeed(ds: dict[str, Any], source: str = "DeepSpeed JSON") -> dict[str, Any]:
-    """Read a DeepSpeed JSON back into (a partial dict of) the tree.
-
-    Keys the tree models go to their section; other keys DeepSpeed knows are kept under
-    `deepspeed_extra`; a key DeepSpeed does not know is an error naming it.
-    """
-    problems: list[str] = []
-    tree: dict[str, Any] = {}
-    extra: dict[str, Any] = {}
-
-    def put(section: str, key: str, value: Any) -> None:
-        tree.setdefault(section, {})[key] = value
-
-    for key, value in ds.items():
-        if key == "train_batch_size":
-            put("batch", "train_batch_size", value)
-        elif key == "train_micro_batch_size_per_gpu":
-            put("batch", "micro_batch_size", value)
-        elif key == "gradient_accumulation_steps":
-            put("batch", "gradient_accumulation_steps", value)
-        elif key == "gradient_clipping":
-            put("optimizer", "grad_clip", value)
-        elif key in ("steps_per_print", "wall_clock_breakdown"):
-            continue  # pretrain does its own logging
-        elif key == "optimizer":
-            problems += _read_optimizer(value, put)
-        elif key == "scheduler":
-            problems.append(
-                "scheduler: pretrain sets the LR itself (warmup + cosine); use the tree's `schedule` section"
-            )
-        elif key == "bf16":
-            put("precision", "bf16", bool(_as_dict(value).get("enabled", False)))
-        elif key == "fp16":
-            fp16 = _as_dict(value)
-            put("precision", "fp16", bool(fp16.get("enabled", False)))
-            if fp16.get("loss_scale", 0) not in (0, 0.0):
-                problems.append("fp16.loss_scale: only dynamic loss scaling (loss_scale 0) is supported")
-            for k, v in fp16.items():
-                if k in _FP16_KEYS:
-                    put("precision", k, v)
-                elif k not in ("enabled", "loss_scale"):
-                    extra.setdefault("fp16", {})[k] = v
-        elif key == "zero_optimization":
-            problems += _read_zero(_as_dict(value), put, extra)
-        elif key in MONITORS:
-            problems += _read_monitor(key, _as_dict(value), put)
-        elif key in DEEPSPEED_PASSTHROUGH_KEYS:
-            extra[key] = value
-        else:
-            problems.append(
-                f"'{key}' is not a DeepSpeed config key{_suggest(key, DEEPSPEED_PASSTHROUGH_KEYS | _MODELED_KEYS)}"
-            )
-    for key in MONITORS:
-        if key not in ds:  # a DeepSpeed JSON without a monitor section has it off
-            put("logging", key, False)
-    if problems:
-        raise ConfigError(problems, source)
-    if "fp16" in extra:
-        problems.append("fp16: keys " + ", ".join(sorted(extra["fp16"])) + " are not supported")
-        raise ConfigError(problems, source)
-    b = tree.get("batch", {})
-    tbs, micro, acc = (
-        b.pop("train_batch_size", None),
-        b.get("micro_batch_size"),
-        b.get("gradient_accumulation_steps", 1),
-    )
-    if tbs is not None and micro is not None:
-        if tbs % (micro * acc):
-            raise ConfigError(
-                [
-                    f"train_batch_size ({tbs}) is not a multiple of micro batch ({micro}) x accumulation ({acc})"
-                ],
-                source,
-            )
-        b["data_parallel_size"] = tbs // (micro * acc)
-    if extra:
-        tree["deepspeed_extra"] = extra
-    return tree
-
-
-def _as_dict(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
-
-
-def _read_optimizer(value: Any, put: Any) -> list[str]:
-    opt = _as_dict(value)
-    kind = opt.get("type", "")
-    if str(kind).lower() not in ("adamw", "adam"):
-        return [f"optimizer.type: pretrain trains with AdamW, got {kind!r}"]
-    problems = []
-    params = _as_dict(opt.get("params", {}))
-    for k, v in params.items():
-        if k in ("lr", "betas", "eps", "weight_decay"):
-            put("optimizer", k, tuple(v) if k == "betas" else v)
-        elif k == "torch_adam":
-            put("optimizer", "fused_adam", not v)
-            if v:
-                put("optimizer", "torch_fused", bool(params.get("fused", False)))
-        elif k == "fused" and params.get("torch_adam"):
-            continue  # read with torch_adam
-        elif k == "adam_w_mode" and (v or str(kind).lower() == "adamw"):
-            continue
-        else:
-            problems.append(f"optimizer.params.{k}: not supported by pretrain")
-    return problems
-
-
-def _read_zero(zero: dict[str, Any], put: Any, extra: dict[str, Any]) -> list[str]:
-    problems = []
-    for k, v in zero.items():
-        if k in _ZERO_KEYS:
-            put("zero", _ZERO_KEYS[k], v)
-        elif k in ("offload_optimizer", "offload_param"):
-            off = _as_dict(v)
-            device = off.get("device", "none")
-            if device not in ("cpu", "none", None):
-                problems.append(
-                    f"zero_optimization.{k}.device: only 'cpu' offload is modeled, got {device!r}"
-                )
-            put("zero", k, device == "cpu")
-            if "pin_memory" in off:
-                put("zero", "pin_memory", bool(off["pin_memory"]))
-            for ok in set(off) - {"device", "pin_memory"}:
-                extra.setdefault("zero_optimization", {}).setdefault(k, {})[ok] = off[ok]
-        else:
-            extra.setdefault("zero_optimization", {})[k] = v
-    return problems
-
-
-def _read_monitor(key: str, section: dict[str, Any], put: Any) -> list[str]:
-    """A monitor section back into `logging`. Output paths are not read: pretrain writes every
-    monitor under the run dir (`logging.run_dir`), so the rendered path follows the run."""
-    known = {"enabled", "output_path", "job_name", "project", "group", "team"}
-    known -= {"output_path", "job_name"} if key == "wandb" else {"project", "group", "team"}
-    problems = [f"{key}.{k}: not a DeepSpeed {key} key" for k in section if k not in known]
-    put("logging", key, bool(section.get("enabled", False)))
-    if key == "wandb":
-        for k in ("project", "group", "team"):
-            if k in section:
-                put("logging", f"wandb_{k}", section[k])
-    return problems
-
-
-def check_with_deepspeed(ds: dict[str, Any]) -> None:
-    """Run DeepSpeed's own config parser over a rendered JSON (no process group needed)."""
-    import torch.distributed as tdist
-    from deepspeed.runtime.config import DeepSpeedConfig
-
-    ds = json.loads(json.dumps(ds))
-    if not (tdist.is_available() and tdist.is_initialized()):
-        # Without a process group DeepSpeed assumes world size 1 for its batch check; the tree
-        # has already checked train_batch_size against the world size, so let DeepSpeed derive it.
-        ds.pop("train_batch_size", None)
-    try:
-        DeepSpeedConfig(ds)
-    except (ValidationError, ValueError, AssertionError, KeyError, TypeError) as e:
-        raise ConfigError([f"DeepSpeed rejects the config: {e}"], "DeepSpeed config") from e
-
-
-def to_yaml(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

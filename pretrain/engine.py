@@ -25,6 +25,11 @@ class Dist:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def log(self, msg: str) -> None:
+        """Print on rank 0 only: every rank runs the same code, the terminal gets one copy."""
+        if self.is_main:
+            print(msg, flush=True)
+
 
 def launch_env() -> Dist:
     """Rank and world size, as whatever started this process says, exported for torch.distributed.

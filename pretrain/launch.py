@@ -20,20 +20,12 @@ import re
 from pathlib import Path
 
 from pretrain.config import LaunchConfig
+from pretrain.errors import HostfileError
 
 # DeepSpeed's own pattern, applied with re.search to the stripped line.
 _DS_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
 # Host names and IPv4 addresses: RFC 1123 labels, plus '_' which some clusters use.
 _HOST = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
-
-
-class HostfileError(ValueError):
-    """A hostfile problem meant for a person: every bad line, one per line of the message."""
-
-    def __init__(self, problems: list[str], source: str = "hostfile") -> None:
-        self.problems = problems
-        self.source = source
-        super().__init__("\n".join([f"invalid hostfile {source}:", *(f"  - {p}" for p in problems)]))
 
 
 def valid_host(name: str) -> bool:
@@ -109,53 +101,3 @@ def launch_environment(cfg: LaunchConfig) -> dict[str, str]:
 def env_file_text(env: dict[str, str]) -> str:
     """`.deepspeed_env` format: KEY=VALUE lines, read by DeepSpeed's multi-node runners and launch/*.sh."""
     return "".join(f"{k}={v}\n" for k, v in env.items())
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The launch scripts' helper, light enough to start in well under a second (no torch):
-
-        python -m pretrain.launch hostfile H [--first | --world-size | --count]
-        python -m pretrain.launch env [pretrain train args...]
-
-    `env` reads only the config arguments (--preset, --config, --ds, --set) among train's.
-    """
-    import argparse
-    import sys
-
-    from pretrain.config import ConfigError, build
-
-    ap = argparse.ArgumentParser(prog="python -m pretrain.launch")
-    sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("hostfile")
-    p.add_argument("path")
-    p.add_argument("--first", action="store_true")
-    p.add_argument("--world-size", action="store_true")
-    p.add_argument("--count", action="store_true")
-    p = sub.add_parser("env")
-    p.add_argument("--preset")
-    p.add_argument("--config")
-    p.add_argument("--ds")
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    args, _ = ap.parse_known_args(argv)
-    try:
-        if args.command == "env":
-            cfg = build(args.preset, args.config, args.ds, args.overrides)
-            print(env_file_text(launch_environment(cfg.launch)), end="")
-            return 0
-        hosts = read_hostfile(args.path)
-    except (ConfigError, HostfileError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.first:
-        print(next(iter(hosts)))
-    elif args.world_size:
-        print(world_size(hosts))
-    elif args.count:
-        print(len(hosts))
-    else:
-        print(format_hostfile(hosts), end="")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import RunConfig, render_deepspeed
+from pretrain.config import RunConfig
+from pretrain.ds_config import render_deepspeed
 from pretrain.model import analytic_num_params
 
 GB = 1e9
@@ -296,17 +297,3 @@ def plan_json(
         "device_gb": device_gb,
         "stages": [asdict(p) for p in plan_stages(cfg, world, device_gb, gpus_per_node)],
     }
-
-
-def resolve_vocab_for_plan(cfg: RunConfig) -> tuple[RunConfig, str]:
-    """model.vocab_size as training will resolve it: the prepared dataset's tokenizer if there is
-    one, else GPT-2's 50257 or tiny-shakespeare's 65 characters."""
-    if cfg.model.vocab_size is not None:
-        return cfg, "model.vocab_size"
-    manifest = cfg.data.resolved_dir() / "manifest.json"
-    try:
-        vocab, src = int(json.loads(manifest.read_text())["tokenizer"]["vocab_size"]), str(manifest)
-    except (OSError, ValueError, KeyError):
-        vocab = 50257 if cfg.data.tokenizer == "gpt2" else 65
-        src = f"{cfg.data.tokenizer} tokenizer default (data not prepared)"
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": vocab})}), src

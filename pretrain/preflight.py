@@ -8,7 +8,6 @@ what comes back, then times an all-reduce across all ranks. A host named `localh
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shlex
 import subprocess
@@ -20,7 +19,10 @@ from typing import Any
 
 from pretrain import probe
 from pretrain.config import RunConfig
+from pretrain.dataset import MANIFEST, SPLITS, dataset_dirs, resolve_vocab
+from pretrain.files import format_bytes
 from pretrain.launch import launch_environment
+from pretrain.shards import HEADER_SIZE
 
 LOCAL_HOSTS = {"localhost", "127.0.0.1"}
 VERSION_KEYS = ("python", "torch", "deepspeed", "cuda", "nccl")
@@ -54,23 +56,6 @@ class Report:
     rows: dict[str, dict[str, str]] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
     allreduce: dict[str, Any] | None = None
-
-
-def estimate_checkpoint_bytes(cfg: RunConfig, vocab_size: int) -> int:
-    """`checkpoint.estimate_bytes`, with the vocabulary taken from the prepared data if unset."""
-    from pretrain.checkpoint import estimate_bytes
-
-    model = cfg.model.model_copy(update={"vocab_size": cfg.model.vocab_size or vocab_size})
-    return estimate_bytes(cfg.model_copy(update={"model": model}))
-
-
-def data_dirs(cfg: RunConfig) -> list[Path]:
-    """The prepared datasets the run reads: its blend's, or the one prepared from its corpus."""
-    return [Path(s.dataset_dir) for s in cfg.data.blend] or [cfg.data.resolved_dir()]
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
 
 
 def run_probe(
@@ -107,21 +92,18 @@ def _last_line(text: str) -> str:
 
 def inspect_hosts(cfg: RunConfig, opts: Options, report: Report) -> dict[str, dict[str, Any]]:
     """Probe every host in parallel; record unreachable ones. Returns the probes that answered."""
-    from pretrain.prepare import SPLITS
-    from pretrain.shards import HEADER_SIZE
+    from pretrain.checkpoint import estimate_bytes  # torch, for the model's parameter count
 
-    vocab = 50257 if cfg.data.tokenizer == "gpt2" else 256
-    # Without a local manifest the probes report the data, and the estimate uses the tokenizer's size.
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        vocab = int(json.loads((data_dirs(cfg)[0] / "manifest.json").read_text())["tokenizer"]["vocab_size"])
     first = next(iter(opts.hosts))
     common = {
-        "data_dirs": [str(d) for d in data_dirs(cfg)],
+        "data_dirs": [str(d) for d in dataset_dirs(cfg.data)],
+        "manifest": MANIFEST,
         "splits": list(SPLITS),
         "header_size": HEADER_SIZE,
         "checksums": opts.checksums,
         "ckpt_dir": str(cfg.run_dir() / cfg.checkpoint.dir),
-        "ckpt_bytes": estimate_checkpoint_bytes(cfg, vocab),
+        # Without a local manifest the probes report the data, and the estimate uses the tokenizer's size.
+        "ckpt_bytes": estimate_bytes(resolve_vocab(cfg)),
     }
 
     def one(host: str) -> tuple[str, subprocess.CompletedProcess[str]]:
@@ -230,8 +212,8 @@ def _check_data(
 ) -> None:
     if d is None:
         return
-    row, dirs = report.rows[host], data_dirs(cfg)
-    if all((where / "manifest.json").is_file() for where in dirs):
+    row, dirs = report.rows[host], dataset_dirs(cfg.data)
+    if all((where / MANIFEST).is_file() for where in dirs):
         copies = "; ".join(f"rsync -a {w.resolve()}/ {host}:{w.resolve()}/" for w in dirs)
         fix = f"copy the dataset to {host} at the same path ({copies}), or keep it on a filesystem every host mounts"
     else:
@@ -245,7 +227,7 @@ def _check_data(
     elif ref and ref.get("ok") and d["manifest_sha256"] != ref["manifest_sha256"]:
         row["data"] = "FAIL"
         report.problems.append(
-            Problem(host, "data", f"the dataset's manifest.json differs from {ref_host}'s: other data", fix)
+            Problem(host, "data", f"the dataset's {MANIFEST} differs from {ref_host}'s: other data", fix)
         )
     else:
         row["data"] = f"ok ({d['shards']} shards)"
@@ -255,7 +237,7 @@ def _check_ckpt(host: str, c: dict[str, Any] | None, cfg: RunConfig, report: Rep
     if c is None:
         return
     row = report.rows[host]
-    row["checkpoint"] = f"{_gb(c['free'])} free"
+    row["checkpoint"] = f"{format_bytes(c['free'])} free"
     if not c["writable"]:
         row["checkpoint"] = "FAIL"
         report.problems.append(
@@ -272,7 +254,7 @@ def _check_ckpt(host: str, c: dict[str, Any] | None, cfg: RunConfig, report: Rep
             Problem(
                 host,
                 "checkpoint",
-                f"{c['path']}: {_gb(c['free'])} free, one checkpoint needs about {_gb(c['need'])}",
+                f"{c['path']}: {format_bytes(c['free'])} free, one checkpoint needs about {format_bytes(c['need'])}",
                 "free space there, or point logging.run_dir / checkpoint.dir at a larger filesystem",
             )
         )

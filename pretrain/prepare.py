@@ -40,7 +40,6 @@ from pretrain.corpus import (
     Chunk,
     Cleaner,
     CleanStats,
-    DataError,
     Document,
     format_of,
     iter_input_files,
@@ -48,8 +47,11 @@ from pretrain.corpus import (
     read_chunk,
     shingle_hashes,
 )
+from pretrain.dataset import MANIFEST, MANIFEST_VERSION, SPLITS, TOKENIZER_FILE, load_manifest, open_datasets
 from pretrain.dedup import ExactDedup, MinHasher, NearDedup, exact_hash
-from pretrain.shards import ShardInfo, ShardWriter, dtype_for_vocab, read_header
+from pretrain.errors import DataError
+from pretrain.files import format_bytes, replace_dir, write_atomic
+from pretrain.shards import ShardInfo, ShardWriter, dtype_for_vocab
 from pretrain.tokenizer import (
     BPE_RANKS_FILE,
     BPETokenizer,
@@ -59,10 +61,6 @@ from pretrain.tokenizer import (
     count_words,
 )
 
-MANIFEST = "manifest.json"
-MANIFEST_VERSION = 2
-TOKENIZER_FILE = "tokenizer.json"
-SPLITS = ("train", "val")
 # DataConfig fields that do not change what prepare writes (where inputs come from, how many
 # workers, what the loader does): a change in them keeps a prepared dataset valid.
 NOT_OUTPUT_FIELDS = frozenset(
@@ -362,6 +360,7 @@ def _encode(
     staging: Path,
     log: Callable[[str], None] | None,
 ) -> tuple[dict[str, list[ShardInfo]], dict[str, Any]]:
+    """Tokenize every task in the workers; here, in corpus order: dedup, split, write the shards."""
     clean = cfg.clean
     dtype = dtype_for_vocab(tok.vocab_size)
     writers = {s: ShardWriter(staging, s, dtype, cfg.shard_tokens) for s in SPLITS}
@@ -372,91 +371,26 @@ def _encode(
     tick = _progress(log)
     held: _Held | None = None
     kept, bytes_out, doc_index = 0, 0, 0
-    notes: list[str] = []
-
-    def write(split: str, tokens: np.ndarray, lengths: np.ndarray | list[int]) -> None:
-        writers[split].write(tokens, lengths)
-
     results = workers.map(_encode_task, setup, _tasks(cfg))
     try:
         for task, r in results:
             stats.add(r.stats)
             worker_cpu += r.cpu_s
-            n = len(r.names)
-            keep = np.ones(n, dtype=bool)
-            for i in range(n):  # in corpus order: the first of each duplicate is kept
-                if exact is not None and exact.seen(int(r.hashes[i])):
-                    stats.remove("exact_duplicate", int(r.sizes[i]))
-                    keep[i] = False
-                elif (
-                    near is not None
-                    and r.signatures is not None
-                    and r.has_shingles[i]
-                    and near.seen(doc_index + i, r.signatures[i])
-                ):
-                    stats.remove("near_duplicate", int(r.sizes[i]))
-                    keep[i] = False
-            doc_index += n
-            idx = np.flatnonzero(keep)
-            if idx.size == 0:
-                continue
-            kept += idx.size
-            bytes_out += int(r.sizes[idx].sum())
-            ends = np.cumsum(r.lengths)
-            starts = ends - r.lengths
-            if held is not None:
-                write(held.split, held.tokens, [held.tokens.size])
-            last = int(idx[-1])
-            held = _Held(
-                "val" if r.is_val[last] else "train", r.tokens[starts[last] : ends[last]], r.names[last], task
-            )
-            rest = idx[:-1]
-            for split in SPLITS:
-                sel = rest[r.is_val[rest] == (split == "val")]
-                if sel.size and sel[-1] - sel[0] + 1 == sel.size:  # a run of documents: a view, no copy
-                    write(split, r.tokens[starts[sel[0]] : ends[sel[-1]]], r.lengths[sel])
-                elif sel.size:
-                    write(split, np.concatenate([r.tokens[starts[i] : ends[i]] for i in sel]), r.lengths[sel])
+            idx = np.flatnonzero(_dedup(r, exact, near, doc_index, stats))
+            doc_index += len(r.names)
+            if idx.size:
+                kept += idx.size
+                bytes_out += int(r.sizes[idx].sum())
+                held = _write_kept(writers, r, idx, held, task)
             tick(
                 f"prepare: {stats.bytes_in / 1e6:,.0f} MB read, {stats.bytes_in / 1e6 / (time.perf_counter() - t0):.1f}"
                 f" MB/s, {kept:,} documents kept"
             )
-
         if held is None:
             raise DataError(
                 f"{cfg.corpus}: no document left after cleaning and filtering ({_one_line(stats)})"
             )
-        if kept == 1:
-            # One document can't be split by document: cut it at (1 - val_fraction) of its
-            # characters instead, nanoGPT's recipe for tiny-shakespeare (first 90% train, last 10% val).
-            text = next(
-                d.text
-                for d in (
-                    doc
-                    for c in held.task
-                    for doc in read_chunk(c, cfg.text_field, Cleaner(clean), CleanStats())
-                )
-                if d.name == held.name
-            )
-            cut = int(len(text) * (1 - cfg.val_fraction))
-            if not 0 < cut < len(text):
-                raise DataError(
-                    f"{cfg.corpus}: its one document ({len(text)} characters) is too short to split into train and val"
-                )
-            eot = [] if tok.eot_token is None else [tok.eot_token]
-            for split, part in (("train", text[:cut]), ("val", text[cut:])):
-                ids = np.concatenate([tok.encode_array(part), np.array(eot, dtype=np.int64)]).astype(dtype)
-                write(split, ids, [ids.size])
-            notes.append("one document: cut at characters into train and val")
-        else:
-            split = held.split
-            if split == "train" and writers["val"].n_docs == 0:
-                split = "val"
-                notes.append(f"no document hashed to val; the last one ({held.name}) went there")
-            elif split == "val" and writers["train"].n_docs == 0:
-                split = "train"
-                notes.append(f"no document hashed to train; the last one ({held.name}) went there")
-            write(split, held.tokens, [held.tokens.size])
+        notes = _write_last(cfg, tok, writers, held, kept)
         shards = {s: writers[s].close() for s in SPLITS}
     except BaseException:
         for w in writers.values():
@@ -464,8 +398,99 @@ def _encode(
         raise
     finally:
         results.close()  # stops the workers at once on an error
-    seconds = time.perf_counter() - t0
-    report: dict[str, Any] = {
+    report = _report(stats, clean, kept, bytes_out, notes, shards, time.perf_counter() - t0)
+    # CPU seconds: tasks (in the workers, or here with none) and this process's own share.
+    main_cpu = time.process_time() - cpu0 - (worker_cpu if workers.n == 0 else 0.0)
+    report["cpu_seconds"] = {"tasks": round(worker_cpu, 3), "main": round(main_cpu, 3)}
+    report["workers"] = workers.n
+    report["dedup_index_bytes"] = exact.nbytes if exact else 0
+    return shards, report
+
+
+def _dedup(
+    r: _Encoded, exact: ExactDedup | None, near: NearDedup | None, doc_index: int, stats: CleanStats
+) -> np.ndarray:
+    """Which of a task's documents to keep: in corpus order, the first of each duplicate."""
+    keep = np.ones(len(r.names), dtype=bool)
+    for i in range(len(r.names)):
+        if exact is not None and exact.seen(int(r.hashes[i])):
+            stats.remove("exact_duplicate", int(r.sizes[i]))
+            keep[i] = False
+        elif (
+            near is not None
+            and r.signatures is not None
+            and r.has_shingles[i]
+            and near.seen(doc_index + i, r.signatures[i])
+        ):
+            stats.remove("near_duplicate", int(r.sizes[i]))
+            keep[i] = False
+    return keep
+
+
+def _write_kept(
+    writers: dict[str, ShardWriter], r: _Encoded, idx: np.ndarray, held: _Held | None, task: list[Chunk]
+) -> _Held:
+    """Write the documents `idx` of a task to their splits, all but the last, which is held back
+    (the previously held one is written first); returns the one now held."""
+    ends = np.cumsum(r.lengths)
+    starts = ends - r.lengths
+    if held is not None:
+        writers[held.split].write(held.tokens, [held.tokens.size])
+    last = int(idx[-1])
+    rest = idx[:-1]
+    for split in SPLITS:
+        sel = rest[r.is_val[rest] == (split == "val")]
+        if sel.size and sel[-1] - sel[0] + 1 == sel.size:  # a run of documents: a view, no copy
+            writers[split].write(r.tokens[starts[sel[0]] : ends[sel[-1]]], r.lengths[sel])
+        elif sel.size:
+            writers[split].write(np.concatenate([r.tokens[starts[i] : ends[i]] for i in sel]), r.lengths[sel])
+    return _Held(
+        "val" if r.is_val[last] else "train", r.tokens[starts[last] : ends[last]], r.names[last], task
+    )
+
+
+def _write_last(
+    cfg: DataConfig, tok: Tokenizer, writers: dict[str, ShardWriter], held: _Held, kept: int
+) -> list[str]:
+    """Write the held last document where it fills a gap; returns notes for the report."""
+    if kept == 1:
+        # One document can't be split by document: cut it at (1 - val_fraction) of its
+        # characters instead, nanoGPT's recipe for tiny-shakespeare (first 90% train, last 10% val).
+        docs = (
+            doc for c in held.task for doc in read_chunk(c, cfg.text_field, Cleaner(cfg.clean), CleanStats())
+        )
+        text = next(d.text for d in docs if d.name == held.name)
+        cut = int(len(text) * (1 - cfg.val_fraction))
+        if not 0 < cut < len(text):
+            raise DataError(
+                f"{cfg.corpus}: its one document ({len(text)} characters) is too short to split into train and val"
+            )
+        eot = [] if tok.eot_token is None else [tok.eot_token]
+        dtype = dtype_for_vocab(tok.vocab_size)
+        for split, part in (("train", text[:cut]), ("val", text[cut:])):
+            ids = np.concatenate([tok.encode_array(part), np.array(eot, dtype=np.int64)]).astype(dtype)
+            writers[split].write(ids, [ids.size])
+        return ["one document: cut at characters into train and val"]
+    notes, split = [], held.split
+    other = "val" if split == "train" else "train"
+    if writers[other].n_docs == 0:
+        notes.append(f"no document hashed to {other}; the last one ({held.name}) went there")
+        split = other
+    writers[split].write(held.tokens, [held.tokens.size])
+    return notes
+
+
+def _report(
+    stats: CleanStats,
+    clean: CleanConfig,
+    kept: int,
+    bytes_out: int,
+    notes: list[str],
+    shards: dict[str, list[ShardInfo]],
+    seconds: float,
+) -> dict[str, Any]:
+    """The manifest's report: what cleaning and dedup did, and what was written."""
+    return {
         "documents_in": stats.documents_in,
         "documents_out": kept,
         "bytes_in": stats.bytes_in,
@@ -481,15 +506,7 @@ def _encode(
         "notes": notes,
         "tokens": {s: sum(x.n_tokens for x in shards[s]) for s in SPLITS},
         "seconds": round(seconds, 3),
-        # CPU seconds: tasks (in the workers, or here with none) and this process's own share.
-        "cpu_seconds": {
-            "tasks": round(worker_cpu, 3),
-            "main": round(time.process_time() - cpu0 - (worker_cpu if workers.n == 0 else 0.0), 3),
-        },
-        "workers": workers.n,
-        "dedup_index_bytes": (exact.nbytes if exact else 0),
     }
-    return shards, report
 
 
 def _one_line(stats: CleanStats) -> str:
@@ -497,35 +514,20 @@ def _one_line(stats: CleanStats) -> str:
     return f"{stats.documents_in:,} documents read" + (f"; removed {removed}" if removed else "")
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n} B"
-
-
 def format_report(report: dict[str, Any]) -> str:
     """The cleaning summary, a few lines for a terminal."""
     lines = [
         f"documents: {report['documents_in']:,} in, {report['documents_out']:,} out; "
-        f"{_size(report['bytes_in'])} in, {_size(report['bytes_out'])} out "
+        f"{format_bytes(report['bytes_in'])} in, {format_bytes(report['bytes_out'])} out "
         f"({report['seconds']:.1f} s, {report['workers']} workers)"
     ]
-    if report["removed"]:
-        lines.append(
-            "removed:  "
-            + "; ".join(
-                f"{k} {v['documents']:,} docs ({_size(v['bytes'])})" for k, v in report["removed"].items()
-            )
-        )
-    if report["changed"]:
-        lines.append(
-            "changed:  "
-            + "; ".join(
-                f"{k} {v['documents']:,} docs ({v['characters']:,} chars)"
-                for k, v in report["changed"].items()
-            )
-        )
+    for kind, show in (
+        ("removed", lambda v: format_bytes(v["bytes"])),
+        ("changed", lambda v: f"{v['characters']:,} chars"),
+    ):
+        if report[kind]:
+            each = (f"{k} {v['documents']:,} docs ({show(v)})" for k, v in report[kind].items())
+            lines.append(f"{kind}:  " + "; ".join(each))
     u = report["undecodable"]
     if u["bytes"]:
         lines.append(f"undecodable bytes: {u['bytes']:,} in {u['documents']:,} documents ({u['action']})")
@@ -575,28 +577,6 @@ def _check_replaceable(out: Path) -> None:
                 f"{out}: holds files that are not part of a prepared dataset ({', '.join(foreign[:3])}"
                 f"{', ...' if len(foreign) > 3 else ''}); refusing to replace it: set another data.dataset_dir"
             )
-
-
-def _swap_in(staging: Path, out: Path) -> None:
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-        os.replace(staging, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, out)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _up_to_date(out: Path, cfg: DataConfig, inputs: dict[str, Any]) -> bool:
@@ -673,126 +653,8 @@ def prepare(cfg: DataConfig, force: bool = False, log: Callable[[str], None] | N
             "inputs": inputs,
             "report": report,
         }
-        _write_atomic(staging / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-        _swap_in(staging, out)
+        write_atomic(staging / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        replace_dir(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading a prepared dataset back
-
-
-def load_manifest(dataset_dir: str | Path) -> dict[str, Any]:
-    """The manifest of a prepared dataset, checked for shape."""
-    path = Path(dataset_dir) / MANIFEST
-    if not path.is_file():
-        raise DataError(
-            f"{path}: not found; the dataset is missing or incomplete: run `pretrain data prepare` first"
-        )
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(
-            f"{path}: malformed manifest ({e}); rebuild it with `pretrain data prepare --force`"
-        ) from e
-    problems = _manifest_problems(manifest)
-    if problems:
-        raise DataError(
-            f"{path}: malformed manifest: {'; '.join(problems)}; rebuild it with `pretrain data prepare --force`"
-        )
-    return manifest
-
-
-def _manifest_problems(m: Any) -> list[str]:
-    if not isinstance(m, dict):
-        return ["not a JSON object"]
-    if m.get("version") != MANIFEST_VERSION:
-        return [f"version {m.get('version')!r}, this code reads version {MANIFEST_VERSION}"]
-    problems = []
-    tok = m.get("tokenizer")
-    if not (isinstance(tok, dict) and {"type", "vocab_size", "fingerprint"} <= tok.keys()):
-        problems.append("'tokenizer' needs type, vocab_size and fingerprint")
-    for split in SPLITS:
-        entries = m.get(split)
-        if not (isinstance(entries, list) and entries):
-            problems.append(f"'{split}' must be a non-empty list of shards")
-            continue
-        for i, e in enumerate(entries):
-            if not (isinstance(e, dict) and {"path", "n_tokens", "n_docs", "sha256"} <= e.keys()):
-                problems.append(f"'{split}'[{i}] needs path, n_tokens, n_docs and sha256")
-    if not isinstance(m.get("config"), dict):
-        problems.append("'config' must be an object")
-    return problems
-
-
-def shard_paths(dataset_dir: str | Path, split: str) -> list[Path]:
-    """The shard files of one split ('train' or 'val') of a prepared dataset, in order."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    return [Path(dataset_dir) / e["path"] for e in load_manifest(dataset_dir)[split]]
-
-
-@dataclass(frozen=True)
-class Dataset:
-    """A prepared dataset as a run uses it: its directory, manifest and blend weight."""
-
-    dir: Path
-    manifest: dict[str, Any]
-    weight: float = 1.0
-
-    def shard_paths(self, split: str) -> list[Path]:
-        return [self.dir / e["path"] for e in self.manifest[split]]
-
-    def n_tokens(self, split: str) -> int:
-        return sum(int(e["n_tokens"]) for e in self.manifest[split])
-
-
-def open_datasets(cfg: DataConfig) -> list[Dataset]:
-    """The datasets a run trains on (data.blend, or the one prepared from data.corpus), each
-    checked against this config's tokenizer and against its own shards' headers."""
-    entries = [(Path(b.dataset_dir), b.weight) for b in cfg.blend] or [(cfg.resolved_dir(), 1.0)]
-    datasets = [Dataset(d, load_manifest(d), w) for d, w in entries]
-    first = datasets[0]
-    for ds in datasets:
-        where = ds.dir / MANIFEST
-        tok = ds.manifest["tokenizer"]
-        if tok["type"] != cfg.tokenizer:
-            raise DataError(
-                f"{where}: prepared with the {tok['type']} tokenizer (vocab {tok['vocab_size']}), "
-                f"but data.tokenizer is {cfg.tokenizer}"
-            )
-        if cfg.tokenizer == "bpe" and tok["vocab_size"] != cfg.bpe_vocab_size:
-            raise DataError(
-                f"{where}: prepared with a bpe vocab of {tok['vocab_size']}, but data.bpe_vocab_size is "
-                f"{cfg.bpe_vocab_size}"
-            )
-        ref = first.manifest["tokenizer"]
-        if (tok["vocab_size"], tok["fingerprint"]) != (ref["vocab_size"], ref["fingerprint"]):
-            raise DataError(
-                f"{where}: its {tok['type']} tokenizer (vocab {tok['vocab_size']}, fingerprint "
-                f"{tok['fingerprint'][:12]}) differs from {first.dir / MANIFEST}'s (vocab {ref['vocab_size']}, "
-                f"fingerprint {ref['fingerprint'][:12]}): blended datasets need one tokenizer"
-            )
-        for split in SPLITS:
-            for e in ds.manifest[split]:
-                info = read_header(ds.dir / e["path"])
-                if (info.n_tokens, info.sha256) != (e["n_tokens"], e["sha256"]):
-                    raise DataError(
-                        f"{info.path}: header says {info.n_tokens} tokens, sha256 {info.sha256[:12]}; the manifest "
-                        f"lists {e['n_tokens']} tokens, sha256 {e['sha256'][:12]}: not this dataset's shard"
-                    )
-    return datasets
-
-
-def summary(manifest: dict[str, Any]) -> str:
-    """One line about a prepared dataset."""
-    counts = ", ".join(
-        f"{split} {sum(s['n_tokens'] for s in manifest[split]):,} tokens / "
-        f"{sum(s['n_docs'] for s in manifest[split]):,} docs in {len(manifest[split])} shard"
-        f"{'s' if len(manifest[split]) != 1 else ''}"
-        for split in SPLITS
-    )
-    tok = manifest["tokenizer"]
-    return f"{counts}, vocab {tok['vocab_size']} ({tok['type']}, {tok.get('dtype', '?')})"

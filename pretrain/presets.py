@@ -1,18 +1,20 @@
-"""Named starting points for a run, and the DeepSpeed JSONs rendered into `ds_configs/`.
+"""Named starting points for a run, the layered build of a run's config, and the DeepSpeed JSONs
+rendered into `ds_configs/`.
 
-A preset is a partial tree (a nested dict) merged over the defaults; a run config file and
-`--set` overrides go on top. The char-level presets train on one CPU; the GPT-2 sizes use the
+A preset is a partial tree (a nested dict) merged over the defaults; a run config file, a
+DeepSpeed JSON and `--set` overrides go on top, in that order (`build`). The char-level presets train on one CPU; the GPT-2 sizes use the
 50257-token BPE and are meant for GPU clusters.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
-from pretrain.config import ConfigError
-
-_CHAR = {"data": {"tokenizer": "char"}}
+from pretrain.config import RunConfig, deep_merge, load_file, parse_override, validate
+from pretrain.ds_config import tree_from_deepspeed
+from pretrain.errors import ConfigError
 
 _GPT2_DATA = {"tokenizer": "gpt2"}
 
@@ -32,33 +34,36 @@ def _gpt2(n_layer: int, n_head: int, n_embd: int, lr: float, stage: int, **model
     }
 
 
+def _char(
+    n: int, lr: float, max_steps: int, micro_batch: int, dropout: float = 0.0, **sections: Any
+) -> dict[str, Any]:
+    """n layers of n heads, 64n wide, context 256, char-level; `sections` are merged on top."""
+    return deep_merge(
+        {
+            "model": {"n_layer": n, "n_head": n, "n_embd": 64 * n, "block_size": 256, "dropout": dropout},
+            "data": {"tokenizer": "char"},
+            "optimizer": {"lr": lr},
+            "schedule": {"max_steps": max_steps, "warmup_steps": 100},
+            "batch": {"micro_batch_size": micro_batch},
+            "checkpoint": {"interval": 500},
+        },
+        sections,
+    )
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Char-level on the embedded Shakespeare corpus; minutes on a laptop CPU.
-    "tiny": {
-        **_CHAR,
-        "model": {"n_layer": 2, "n_head": 2, "n_embd": 128, "block_size": 256},
-        "optimizer": {"lr": 2e-3},
-        "schedule": {"max_steps": 1500, "warmup_steps": 100},
-        "batch": {"micro_batch_size": 16, "gradient_accumulation_steps": 1},
-        "checkpoint": {"interval": 500, "keep_last": 2},
-        "logging": {"log_interval": 25, "eval_interval": 250, "eval_batches": 20},
-    },
-    "small": {
-        **_CHAR,
-        "model": {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 256, "dropout": 0.1},
-        "optimizer": {"lr": 1e-3},
-        "schedule": {"max_steps": 2000, "warmup_steps": 100},
-        "batch": {"micro_batch_size": 32},
-        "checkpoint": {"interval": 500},
-    },
-    "medium": {
-        **_CHAR,
-        "model": {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 256, "dropout": 0.2},
-        "optimizer": {"lr": 1e-3},
-        "schedule": {"max_steps": 5000, "warmup_steps": 100},
-        "batch": {"micro_batch_size": 64},
-        "checkpoint": {"interval": 500},
-    },
+    "tiny": _char(
+        2,
+        lr=2e-3,
+        max_steps=1500,
+        micro_batch=16,
+        batch={"gradient_accumulation_steps": 1},
+        checkpoint={"keep_last": 2},
+        logging={"log_interval": 25, "eval_interval": 250, "eval_batches": 20},
+    ),
+    "small": _char(4, lr=1e-3, max_steps=2000, micro_batch=32, dropout=0.1),
+    "medium": _char(6, lr=1e-3, max_steps=5000, micro_batch=64, dropout=0.2),
     "gpt2-124m": _gpt2(12, 12, 768, lr=6e-4, stage=1),
     "gpt2-350m": _gpt2(24, 16, 1024, lr=3e-4, stage=1),
     "gpt2-774m": _gpt2(36, 20, 1280, lr=2.5e-4, stage=2),
@@ -105,3 +110,31 @@ DS_CONFIG_RENDERS: dict[str, tuple[str, list[str], int]] = {
     "zero3_offload": ("gpt-6.7b", ["zero.stage=3", "zero.offload_param=true"], 16),
     "cpu_zero2": ("tiny", ["zero.stage=2"], 2),
 }
+
+
+def build(
+    preset: str | None = None,
+    config_file: str | Path | None = None,
+    ds_file: str | Path | None = None,
+    overrides: list[str] | None = None,
+    world_size: int | None = None,
+) -> RunConfig:
+    """A run's config: the preset < the config file < the DeepSpeed JSON < the overrides, validated
+    once for `world_size` (None: the batch's data_parallel_size stays unresolved)."""
+    data = preset_dict(preset or "tiny")
+    if config_file:
+        file_data = load_file(config_file)
+        data = deep_merge(data, file_data)
+        if preset is None and "preset" in file_data:
+            data = deep_merge(preset_dict(str(file_data["preset"])), file_data)
+    if ds_file:
+        data = deep_merge(data, tree_from_deepspeed(load_file(ds_file), source=str(ds_file)))
+    problems: list[str] = []
+    for item in overrides or []:
+        try:
+            data = deep_merge(data, parse_override(item))
+        except ConfigError as e:
+            problems += e.problems
+    if problems:
+        raise ConfigError(problems, "override")
+    return validate(data, world_size)

@@ -53,11 +53,13 @@ def versions() -> dict[str, Any]:
     return out
 
 
-def check_data(data_dirs: list[str], splits: list[str], header_size: int, checksums: bool) -> dict[str, Any]:
+def check_data(
+    data_dirs: list[str], manifest_name: str, splits: list[str], header_size: int, checksums: bool
+) -> dict[str, Any]:
     """Each dataset's manifest, hashed; each shard it lists present (and matching its checksum)."""
     digest, n_shards = hashlib.sha256(), 0
     for data_dir in data_dirs:
-        manifest = os.path.join(data_dir, "manifest.json")
+        manifest = os.path.join(data_dir, manifest_name)
         try:
             with open(manifest, "rb") as f:
                 raw = f.read()
@@ -115,7 +117,9 @@ def check_port(port: int) -> dict[str, Any]:
 def inspect(args: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"hostname": socket.gethostname(), "versions": versions()}
     if args.get("data_dirs"):
-        out["data"] = check_data(args["data_dirs"], args["splits"], args["header_size"], args["checksums"])
+        out["data"] = check_data(
+            args["data_dirs"], args["manifest"], args["splits"], args["header_size"], args["checksums"]
+        )
     if args.get("ckpt_dir"):
         out["ckpt"] = check_dir(args["ckpt_dir"], args["ckpt_bytes"])
     if args.get("port"):

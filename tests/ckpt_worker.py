@@ -13,9 +13,8 @@ import sys
 from pathlib import Path
 
 from pretrain import engine
-from pretrain.checkpoint import CheckpointError
-from pretrain.config import build
-from pretrain.corpus import DataError
+from pretrain.errors import CheckpointError, DataError
+from pretrain.presets import build
 from pretrain.train import train
 
 # A small GPT on tiny-shakespeare, logging every step.

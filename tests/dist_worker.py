@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from pretrain import engine
-from pretrain.config import build
+from pretrain.presets import build
 from pretrain.train import train
 
 # A small GPT on tiny-shakespeare, 20 steps, logging every step.

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain import checkpoint
+from pretrain import checkpoint, guards
 from pretrain.config import CheckpointConfig
 from tests.conftest import ROOT, TINY_SHAKESPEARE, subprocess_env
 
@@ -577,7 +577,7 @@ def test_rng_states_survive_a_weights_only_round_trip(tmp_path):
 
 def test_stop_on_signal_ignores_repeats_but_not_a_second_ctrl_c():
     before = signal.getsignal(signal.SIGTERM)
-    stop = checkpoint.StopOnSignal().install()
+    stop = guards.StopOnSignal().install()
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)  # a launcher passing it on again
@@ -592,7 +592,7 @@ def test_stop_on_signal_ignores_repeats_but_not_a_second_ctrl_c():
 
 
 def test_faults_parse_and_fire_once(tmp_path):
-    f = checkpoint.Faults(tmp_path, 8, env={"PRETRAIN_FAULT_NAN_STEPS": "2, 5", "PRETRAIN_FAULT_KILL": "1:7"})
+    f = guards.Faults(tmp_path, 8, env={"PRETRAIN_FAULT_NAN_STEPS": "2, 5", "PRETRAIN_FAULT_KILL": "1:7"})
     assert f.nan(8, 0) and f.nan(32, 0) and not f.nan(8, 1) and not f.nan(16, 0)
     (tmp_path / ".fault-kill-1-7").write_text("fired\n")
     f.after_step(7, 1)  # already fired: no kill

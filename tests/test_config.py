@@ -9,18 +9,10 @@ from pathlib import Path
 import pytest
 
 from pretrain.cli import render_file
-from pretrain.config import (
-    DEEPSPEED_PASSTHROUGH_KEYS,
-    ConfigError,
-    RunConfig,
-    build,
-    check_with_deepspeed,
-    deep_merge,
-    render_deepspeed,
-    tree_from_deepspeed,
-    validate,
-)
-from pretrain.presets import DS_CONFIG_RENDERS, PRESETS
+from pretrain.config import DEEPSPEED_PASSTHROUGH_KEYS, RunConfig, deep_merge, validate
+from pretrain.ds_config import check_with_deepspeed, render_deepspeed, tree_from_deepspeed
+from pretrain.errors import ConfigError
+from pretrain.presets import DS_CONFIG_RENDERS, PRESETS, build
 
 ROOT = Path(__file__).resolve().parents[1]
 

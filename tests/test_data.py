@@ -15,15 +15,9 @@ import pytest
 
 from pretrain.config import CleanConfig, DataConfig
 from pretrain.corpus import CleanStats, DataError, download, iter_documents, iter_input_files
+from pretrain.dataset import load_manifest, open_datasets, shard_paths
 from pretrain.dedup import ExactDedup, MinHasher, NearDedup
-from pretrain.prepare import (
-    format_report,
-    is_val_document,
-    load_manifest,
-    open_datasets,
-    prepare,
-    shard_paths,
-)
+from pretrain.prepare import format_report, is_val_document, prepare
 from pretrain.shards import HEADER_SIZE, ShardWriter, dtype_for_vocab, open_shard, read_header, write_shard
 from pretrain.tokenizer import BPETokenizer, CharTokenizer, TiktokenTokenizer, count_words, load_tokenizer
 from tests.conftest import GPT2_RANKS as RANKS

@@ -12,14 +12,9 @@ import sys
 import pytest
 from deepspeed.launcher.runner import _parse_hostfile, fetch_hostfile
 
-from pretrain.config import ConfigError, build
-from pretrain.launch import (
-    HostfileError,
-    env_file_text,
-    launch_environment,
-    parse_hostfile,
-    read_hostfile,
-)
+from pretrain.errors import ConfigError, HostfileError
+from pretrain.launch import env_file_text, launch_environment, parse_hostfile, read_hostfile
+from pretrain.presets import build
 from tests.conftest import ROOT, TINY_SHAKESPEARE, subprocess_env
 
 SCRIPTS = ["pdsh.sh", "no_ssh.sh", "mpirun.sh", "slurm.sbatch"]

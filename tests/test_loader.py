@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain.corpus import DataError
+from pretrain.errors import DataError
 from pretrain.loader import BLOCK, Permutation, ShardedLoader
 from pretrain.shards import write_shard
 

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from pretrain.config import build
 from pretrain.model import analytic_num_params
 from pretrain.plan import (
     activation_bytes,
@@ -16,6 +15,7 @@ from pretrain.plan import (
     model_states,
     plan_stages,
 )
+from pretrain.presets import build
 
 
 @pytest.mark.parametrize(

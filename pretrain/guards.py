@@ -1,0 +1,134 @@
+"""What keeps a run of many ranks in step: a small gloo group for host-side agreement, a stop
+signal that every rank honours at the same step, the non-finite-loss flag they agree on, and the
+fault-injection hooks the tests use.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+# ---------------------------------------------------------------------------------------------
+# Collectives over a small gloo group (flags and file lists stay off the GPU); no-ops alone.
+
+
+def control_group() -> Any:
+    """A gloo group of all ranks for host-side agreement (stop, bad step, save errors)."""
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return None
+    return tdist.new_group(backend="gloo")
+
+
+def world_of(group: Any) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return tdist.get_rank(group), tdist.get_world_size(group)
+
+
+def gather(obj: Any, group: Any) -> list[Any]:
+    if group is None:
+        return [obj]
+    out: list[Any] = [None] * tdist.get_world_size(group)
+    tdist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group: Any) -> None:
+    if group is not None:
+        tdist.barrier(group=group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stopping on a signal, agreeing on a bad step, and the fault-injection hooks the tests use
+
+
+class StopOnSignal:
+    """While installed, SIGTERM and SIGINT only ask the loop to stop: it finishes the step, saves a
+    checkpoint on every rank and returns. Repeats are ignored (a launcher often passes on the
+    signal its ranks already got), except a second SIGINT: Ctrl-C twice interrupts at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = self.signum or signum
+
+    def uninstall(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+
+def agree(step_loss: torch.Tensor, signum: int | None, group: Any) -> tuple[bool, int]:
+    """(any rank's loss was non-finite, the signal any rank was asked to stop by, or 0), the same
+    on every rank."""
+    flags = torch.tensor([0 if bool(torch.isfinite(step_loss)) else 1, signum or 0], dtype=torch.int64)
+    if group is not None:
+        tdist.all_reduce(flags, op=tdist.ReduceOp.MAX, group=group)
+    return bool(flags[0]), int(flags[1])
+
+
+class Faults:
+    """Faults injected through environment variables, for the tests (documented in the README):
+
+    - PRETRAIN_FAULT_NAN_STEPS="5,6": rank 0's loss is NaN on the batches that steps 5 and 6 of
+      an uninterrupted run train on (whenever the run meets those batches);
+    - PRETRAIN_FAULT_KILL="RANK:STEP": that rank sends itself SIGKILL after step STEP;
+    - PRETRAIN_FAULT_KILL_IN_SAVE="STEP": rank 0 sends itself SIGKILL while saving step STEP,
+      after writing its first file;
+    - PRETRAIN_FAULT_SIGTERM="RANK:STEP": that rank sends itself SIGTERM after step STEP (the run
+      then saves after the next step, on every rank, and stops).
+    Each kill happens once per run directory (a marker file `.fault-*` remembers it), so a
+    supervised restart gets past it.
+    """
+
+    def __init__(self, run_dir: Path, global_batch: int, env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ if env is None else env)
+        self.run_dir = run_dir
+        steps = [int(s) for s in env.get("PRETRAIN_FAULT_NAN_STEPS", "").split(",") if s.strip()]
+        self.nan_batches = {(s - 1) * global_batch for s in steps}
+        kill = env.get("PRETRAIN_FAULT_KILL", "")
+        self.kill = tuple(int(x) for x in kill.split(":")) if kill else None
+        in_save = env.get("PRETRAIN_FAULT_KILL_IN_SAVE", "")
+        self.kill_in_save = int(in_save) if in_save else None
+        term = env.get("PRETRAIN_FAULT_SIGTERM", "")
+        self.sigterm = tuple(int(x) for x in term.split(":")) if term else None
+
+    def nan(self, batch_start: int, rank: int) -> bool:
+        return rank == 0 and batch_start in self.nan_batches
+
+    def after_step(self, step: int, rank: int) -> None:
+        if self.kill is not None and self.kill == (rank, step):
+            self._die(f"kill-{rank}-{step}")
+        if self.sigterm is not None and self.sigterm == (rank, step):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def kill_in_save_hook(self, step: int, rank: int) -> Any:
+        if self.kill_in_save != step or rank != 0:
+            return None
+        return lambda path: self._die(f"kill-in-save-{step}")
+
+    def _die(self, name: str) -> None:
+        marker = self.run_dir / f".fault-{name}"
+        if marker.exists():
+            return
+        marker.write_text("fired\n")
+        print(f"fault injection: SIGKILL to pid {os.getpid()} ({name})", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
