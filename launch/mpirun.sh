@@ -17,7 +17,7 @@
 # own traffic uses that interface too. Ranks get this PATH as it is: Open MPI would put its own bin
 # first (/usr/bin), whose `ninja` is not the venv's, and DeepSpeed would rebuild its ops.
 set -euo pipefail
-# shellcheck source=launch/common.sh
+# shellcheck source=common.sh
 . "$(dirname "$0")/common.sh" "$0" 1 "HOSTFILE [pretrain train args...]" "$@"
 hostfile=$1
 shift

@@ -11,7 +11,7 @@
 #   PYTHON       the venv's interpreter (default: .venv/bin/python of this checkout)
 # The config's `launch` section (NCCL_SOCKET_IFNAME, NCCL_DEBUG, ...) is exported to the ranks.
 set -euo pipefail
-# shellcheck source=launch/common.sh
+# shellcheck source=common.sh
 . "$(dirname "$0")/common.sh" "$0" 2 "HOSTFILE NODE_RANK [pretrain train args...]" "$@"
 hostfile=$1
 node_rank=$2

@@ -15,7 +15,7 @@
 # The config's `launch` section (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_DEBUG, ...) is rendered (as
 # `pretrain launch-env` prints it) and exported to every rank through DS_ENV_FILE.
 set -euo pipefail
-# shellcheck source=launch/common.sh
+# shellcheck source=common.sh
 . "$(dirname "$0")/common.sh" "$0" 1 "HOSTFILE [pretrain train args...]" "$@"
 hostfile=$1
 shift
