@@ -23,6 +23,7 @@ import random
 import re
 import shutil
 import time
+from argparse import Namespace
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from pretrain.errors import CheckpointError, DataError
 from pretrain.files import format_bytes as _size
 from pretrain.files import fsync_dir, replace_dir, write_atomic
 from pretrain.guards import Faults, barrier, gather, world_of
+from pretrain.model import analytic_num_params
 
 META = "pretrain_meta.json"
 TOKENIZER = TOKENIZER_FILE  # a copy of the dataset's, so that a checkpoint samples on its own
@@ -63,6 +65,7 @@ def step_of(tag: str) -> int | None:
 def _safe_globals() -> list[Any]:
     """Plain-data classes that DeepSpeed pickles into its checkpoints: a loss scaler (two numbers),
     the ZeRO stage enum, and (offset, size) fragment addresses."""
+    # DeepSpeed, here and below, only when a checkpoint is read or written: importing it takes seconds.
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -98,8 +101,6 @@ def load_file(path: Path) -> Any:
 def estimate_bytes(cfg: RunConfig) -> int:
     """One checkpoint, all ranks together: the weights in their training dtype, plus the fp32 master
     copy and Adam's two moments (12 bytes a parameter). An upper bound at stage 0 in fp32 (12)."""
-    from pretrain.model import analytic_num_params
-
     weights = 2 if cfg.precision.bf16 or cfg.precision.fp16 else 4
     return analytic_num_params(cfg.model) * (weights + 12) + 64_000
 
@@ -613,8 +614,6 @@ def resolve(src: Path) -> Path:
 
 def convert_to_universal(src: Path, workers: int = 1, checksums: bool = True) -> Path:
     """Write DeepSpeed's universal checkpoint of `src` into `src/universal`, atomically."""
-    from argparse import Namespace
-
     from deepspeed.checkpoint import ds_to_universal
 
     meta = read_meta(src)

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -197,8 +198,6 @@ def _supervise(args: argparse.Namespace) -> int:
     Each attempt is a fresh torchrun: torchrun's own --max-restarts reuses its rendezvous store,
     whose stale keys from the failed attempt can break the gloo groups of the next. A SIGTERM or
     SIGINT is passed on to the ranks (which save and stop) and ends the supervision."""
-    import subprocess
-
     fwd, skip = [], False
     raw = sys.argv[1:]
     raw = raw[raw.index("train") + 1 :] if "train" in raw else raw
@@ -347,8 +346,8 @@ def _add_prepare_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from pretrain.dataset import load_manifest, summary
-    from pretrain.prepare import format_report, prepare  # numpy, tiktoken, the tokenizers
+    from pretrain.dataset import load_manifest, summary  # numpy, tiktoken: per command, as above
+    from pretrain.prepare import format_report, prepare
 
     cfg = _config(args, None)
     data = cfg.data
@@ -412,8 +411,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from pretrain.dataset import tokenizer_vocab_size  # tiktoken
-    from pretrain.model import analytic_num_params  # torch
+    from pretrain.dataset import tokenizer_vocab_size  # tiktoken, torch: per command, as above
+    from pretrain.model import analytic_num_params
 
     for name in PRESETS:
         cfg = build(name)
@@ -428,8 +427,8 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from pretrain.dataset import resolve_vocab, vocab_size
-    from pretrain.plan import default_device_gb, plan_json, render_plan  # torch
+    from pretrain.dataset import resolve_vocab, vocab_size  # tiktoken, torch: per command, as above
+    from pretrain.plan import default_device_gb, plan_json, render_plan
 
     if args.config_file in PRESETS and not Path(args.config_file).is_file():
         args.preset, args.config_file = args.preset or args.config_file, None  # `pretrain plan gpt2-124m`
@@ -460,7 +459,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from pretrain.preflight import Options, format_report, preflight
+    from pretrain.preflight import Options, format_report, preflight  # numpy, tiktoken
 
     hosts = read_hostfile(args.hostfile)
     cfg = _config(args, world_size(hosts))

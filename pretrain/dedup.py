@@ -68,7 +68,7 @@ class MinHasher:
     """A document's MinHash signature from its shingle hashes (datasketch, 'affine32' scheme)."""
 
     def __init__(self, num_perm: int) -> None:
-        from datasketch import MinHash
+        from datasketch import MinHash  # with scipy: only when near dedup is on
 
         # hashfunc=int: the shingles come already hashed to 32 bits (corpus.shingle_hashes).
         self._m = MinHash(num_perm=num_perm, seed=MINHASH_SEED, hashfunc=int)
@@ -84,7 +84,7 @@ class NearDedup:
     earlier kept one (estimated Jaccard similarity about `threshold` or more) is a near duplicate."""
 
     def __init__(self, threshold: float, num_perm: int) -> None:
-        from datasketch import LeanMinHash, MinHashLSH
+        from datasketch import LeanMinHash, MinHashLSH  # with scipy: only when near dedup is on
 
         self._lean = LeanMinHash
         self._lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)

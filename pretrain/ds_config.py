@@ -243,6 +243,7 @@ def _read_monitor(key: str, section: dict[str, Any], put: Any) -> list[str]:
 
 def check_with_deepspeed(ds: dict[str, Any]) -> None:
     """Run DeepSpeed's own config parser over a rendered JSON (no process group needed)."""
+    # torch and DeepSpeed only here: rendering and reading back stay light for the CLI.
     import torch.distributed as tdist
     from deepspeed.runtime.config import DeepSpeedConfig
 

@@ -91,7 +91,7 @@ def _env_from_slurm() -> None:
 
 
 def _env_from_mpi() -> None:
-    from mpi4py import MPI
+    from mpi4py import MPI  # only under an MPI launcher: importing it initialises MPI
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -131,6 +131,7 @@ def init_distributed(dist: Dist, timeout_s: float = 1800) -> None:
     stuck rank for `timeout_s` (config `launch.collective_timeout_s`) fails instead of hanging.
     """
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    # DeepSpeed picks its accelerator when first imported: here and below, only after this line.
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -150,7 +151,7 @@ def init_distributed(dist: Dist, timeout_s: float = 1800) -> None:
 
 
 def device() -> torch.device:
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator  # after init_distributed, see there
 
     return torch.device(get_accelerator().current_device_name())
 
@@ -162,7 +163,7 @@ def build_model(cfg: RunConfig, ds_config: dict[str, Any]) -> GPT:
     ZeRO stage starts from the same weights: under zero.Init each submodule is partitioned as
     soon as its constructor returns, before GPT's own init pass could see it.
     """
-    import deepspeed
+    import deepspeed  # after init_distributed, see there
 
     zero3 = cfg.zero.stage == 3 and cfg.zero.init_on_construct
     if zero3:
@@ -184,7 +185,7 @@ def build_model(cfg: RunConfig, ds_config: dict[str, Any]) -> GPT:
 
 def initialize(cfg: RunConfig, model: GPT, ds_config: dict[str, Any]) -> Any:
     """Wrap the model in the DeepSpeed engine, with AdamW over decay / no-decay groups."""
-    import deepspeed
+    import deepspeed  # after init_distributed, see there
 
     engine, _, _, _ = deepspeed.initialize(
         model=model,

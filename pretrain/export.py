@@ -38,7 +38,7 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     # DeepSpeed reports its progress on stdout, which belongs to `pretrain sample`'s text
     with checkpoint.safe_loading(), contextlib.redirect_stdout(sys.stderr):
         if any(ckpt.glob("*optim_states.pt")) and int(meta.get("zero_stage", 0)) > 0:
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # seconds
 
             sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
         else:  # stage 0: rank 0's model file holds the whole module

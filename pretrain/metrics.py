@@ -10,6 +10,7 @@ each log step, which is also where the loss is summed.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from typing import IO, Any
 
 import torch
 import torch.distributed as tdist
+from tqdm import tqdm
 
 from pretrain.files import write_atomic
 
@@ -113,7 +115,10 @@ def cpu_peak_tflops(dtype: torch.dtype = torch.float32, probe_s: float = 0.3) ->
     if key in cache:
         return float(cache[key])
     n, rate = (1024 if dtype == torch.float32 else 512), 0.0
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    # Its own generator: drawing from the global one would shift the dropout masks of the run
+    # that probes (the first on a machine) against every later, cached one.
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
     torch.mm(a, b)  # warm up
     deadline, reps = time.perf_counter() + probe_s, 0
     while reps < 3 or time.perf_counter() < deadline:
@@ -335,8 +340,6 @@ _TAGS = {
 
 def available_monitors(ds_config: dict[str, Any], warn: bool = True) -> dict[str, Any]:
     """Drop the W&B and TensorBoard sections whose package is not installed (DeepSpeed would raise)."""
-    import importlib.util
-
     out = dict(ds_config)
     for key, module in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
         if out.get(key, {}).get("enabled") and importlib.util.find_spec(module) is None:
@@ -396,8 +399,6 @@ class MetricsLog:
         self._file, self._csv = _open_csv(self.path, FIELDS)
         self._rank_file, self._rank_csv = _open_csv(run_dir / "ranks.csv", RANK_FIELDS)
         if progress_enabled(progress):
-            from tqdm import tqdm
-
             self.bar = tqdm(
                 total=max_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr
             )

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pretrain.config import RunConfig
 from pretrain.ds_config import render_deepspeed
 from pretrain.model import analytic_num_params
@@ -149,6 +151,7 @@ def deepspeed_estimate(
     nodes = max(1, world // gpus_per_node)
     per_node = min(world, gpus_per_node)
     if stage in (1, 2):
+        # DeepSpeed only for its estimators: importing it takes seconds.
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
         cpu, gpu = estimate_zero2_model_states_mem_needs(
@@ -156,7 +159,7 @@ def deepspeed_estimate(
         )
         return float(gpu), float(cpu)
     if stage == 3:
-        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs  # as above
 
         cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
             n_params,
@@ -219,14 +222,9 @@ def plan_stages(
 
 def default_device_gb(world: int) -> tuple[float | None, str]:
     """One rank's memory here: the first GPU's, or on a CPU this host's RAM shared by the ranks."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            return props.total_memory / GB, f"{props.name}"
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory / GB, f"{props.name}"
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):

@@ -27,7 +27,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     if not any(r.get("loss") is not None for r in rows):
         raise DataError(f"{path}: no training steps logged yet")
 
-    import matplotlib
+    import matplotlib  # only to draw: seconds to import
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt

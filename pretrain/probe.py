@@ -23,6 +23,7 @@ import socket
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from importlib import metadata
 from typing import Any
 
@@ -39,7 +40,7 @@ def versions() -> dict[str, Any]:
     out["cuda"] = out["nccl"] = "-"
     out["accelerator"], out["accelerators"] = "cpu", len(os.sched_getaffinity(0))
     try:
-        import torch
+        import torch  # this module runs on other hosts on the standard library; torch if it is there
     except ImportError:
         return out
     out["torch"] = torch.__version__
@@ -139,9 +140,7 @@ def _allreduce_rank(args: dict[str, Any], local_rank: int) -> None:
         MASTER_PORT=str(args["master_port"]),
         OMP_NUM_THREADS="1",
     )
-    from datetime import timedelta
-
-    import torch
+    import torch  # the all-reduce needs torch; inspect() does not
     import torch.distributed as dist
 
     cuda = torch.cuda.is_available()

@@ -23,7 +23,7 @@ def package_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             out[name] = "not installed"
     try:
-        import torch
+        import torch  # loaded already where a run records its versions
 
         out["cuda"] = str(torch.version.cuda)
     except ImportError:  # pragma: no cover - torch is a hard dependency

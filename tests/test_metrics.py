@@ -57,6 +57,16 @@ def test_cpu_peak_is_probed_once_and_cached(tmp_path, monkeypatch):
     assert cpu_peak_tflops(probe_s=0.05) == first  # from the cache, not a second probe
 
 
+def test_cpu_peak_probe_leaves_the_global_rng_alone(tmp_path, monkeypatch):
+    """The first run on a machine probes; its dropout masks must be those of every later run."""
+    monkeypatch.setenv("PRETRAIN_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    want = torch.rand(3)
+    torch.manual_seed(0)
+    cpu_peak_tflops(probe_s=0.01)  # a cache miss: it multiplies random matrices
+    assert torch.equal(torch.rand(3), want)
+
+
 def test_phase_timer_sums_each_phase_on_the_cpu():
     timer = PhaseTimer(torch.device("cpu"))
     a = torch.randn(200, 200)
@@ -143,6 +153,7 @@ def test_plot_writes_a_labelled_png(tmp_path):
         plot_run(tmp_path / "nope")
 
 
+@pytest.mark.distributed
 def test_train_writes_tensorboard_csv_and_a_plot(tmp_path):
     """`pretrain train` with TensorBoard and csv_monitor on; the events read back with tensorboard's
     EventAccumulator; `pretrain plot` draws the run; the bar shows when forced on."""
