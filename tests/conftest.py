@@ -1,11 +1,21 @@
-"""Shared fixtures: the offline data under ../shared/data, and a prepared char-level dataset."""
+"""Shared fixtures: the offline data under ../shared/data, a prepared char-level dataset, and the
+2-rank training job whose checkpoints the checkpoint, export and supervisor tests read.
+
+The multi-rank scenarios run as a few torchrun jobs (tests/ckpt_worker.py), each training several
+configs in one process group; the tests read what they left behind.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from pretrain import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -37,3 +47,107 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     env.pop("RANK", None)
     return env
+
+
+# ---------------------------------------------------------------------------------------------
+# Real training jobs, shared by the checkpoint, export and supervisor tests
+
+CORPUS = f"--set=data.corpus={TINY_SHAKESPEARE}"  # what char_dataset was prepared from
+
+BIN = Path(sys.executable).parent
+
+
+def torchrun(nproc: int, port: int, data: Path, out: Path, jobs: list[dict], timeout: int = 600) -> dict:
+    jobs_file = out / f"jobs{nproc}.json"
+    jobs_file.write_text(json.dumps(jobs))
+    launcher = [
+        "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master_addr", "127.0.0.1", "--master_port", str(port),
+    ] if nproc > 1 else []  # fmt: skip
+    cmd = [
+        sys.executable,
+        *launcher,
+        str(ROOT / "tests" / "ckpt_worker.py"),
+        str(data),
+        str(out),
+        str(jobs_file),
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=subprocess_env(PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    return dict(json.loads((out / f"jobs{nproc}.results.json").read_text()), _stdout=proc.stdout)
+
+
+def cli(
+    *args: str, env: dict[str, str] | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "pretrain"), *args],
+        cwd=ROOT,
+        env=subprocess_env(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# Checkpoints at 3, 6 and 8 (the end), all kept.
+DROPOUT = ["model.dropout=0.1", "checkpoint.interval=3", "checkpoint.keep_last=5"]
+
+
+# test_kill_9_with_supervised_restarts: 12 steps at ZeRO-2, checkpoints every 3.
+SUPERVISED = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
+              "batch.micro_batch_size=2", "optimizer.lr=3e-3", "schedule.max_steps=12",
+              "schedule.warmup_steps=2", "logging.log_interval=1", "logging.eval_interval=6",
+              "logging.eval_batches=2", "logging.sample_tokens=0", "zero.stage=2",
+              "checkpoint.interval=3"]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def two_ranks(char_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """One 2-rank job: uninterrupted and interrupted+resumed runs at ZeRO-2 and ZeRO-3 (with dropout,
+    so the RNG states matter), the sources of the world-size change, and NaN injection."""
+    out = tmp_path_factory.mktemp("ckpt2")
+    stop = {"PRETRAIN_FAULT_SIGTERM": "1:4"}  # rank 1 only; the run saves after step 5 and stops
+    jobs = [
+        {"name": "z0_full", "run": "z0_full", "overrides": ["zero.stage=0", *DROPOUT]},
+        {"name": "z2_full", "run": "z2_full", "overrides": ["zero.stage=2", *DROPOUT]},
+        {"name": "z2_stop", "run": "z2_res", "overrides": ["zero.stage=2", *DROPOUT], "env": stop},
+        {"name": "z2_resume", "run": "z2_res", "overrides": ["zero.stage=2", *DROPOUT], "resume": "auto"},
+        {"name": "z3_full", "run": "z3_full", "overrides": ["zero.stage=3", *DROPOUT]},
+        {"name": "z3_stop", "run": "z3_res", "overrides": ["zero.stage=3", *DROPOUT], "env": stop},
+        {"name": "z3_resume", "run": "z3_res", "overrides": ["zero.stage=3", *DROPOUT], "resume": "auto"},
+        {"name": "ws_z2", "run": "ws_z2", "overrides": ["zero.stage=2", "checkpoint.interval=4"]},
+        {"name": "ws_z3", "run": "ws_z3", "overrides": ["zero.stage=3", "checkpoint.interval=4"]},
+        *(
+            {
+                "name": f"nan_z{stage}",
+                "run": f"nan_z{stage}",
+                "overrides": [f"zero.stage={stage}", "checkpoint.interval=2", "checkpoint.max_bad_steps=2"],
+                "env": {"PRETRAIN_FAULT_NAN_STEPS": "3" if stage == 0 else "3,6,7"},
+            }
+            for stage in (0, 2, 3)
+        ),
+        {"name": "sup_ref", "run": "sup_ref", "overrides": SUPERVISED},  # test_kill_9_...'s reference
+    ]
+    return torchrun(2, 29541, char_dataset, out, jobs), out
+
+
+def ckpt(out: Path, run: str, step: int) -> Path:
+    return out / run / "checkpoints" / checkpoint.tag_for(step)
+
+
+@pytest.fixture(scope="session")
+def exported(two_ranks, tmp_path_factory) -> Path:
+    _, out = two_ranks
+    dest = tmp_path_factory.mktemp("export") / "z3"
+    done = cli("export", str(out / "z3_full"), "--out", str(dest))  # a run dir: its newest checkpoint
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "step 8" in done.stdout
+    return dest

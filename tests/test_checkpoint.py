@@ -1,8 +1,7 @@
-"""Checkpoints: atomic saves, validation and fallback, exact resume, world-size change, export,
-sampling and faults (kill -9, NaN, full disk), with real processes and the real DeepSpeed engine.
+"""Checkpoints: atomic saves, validation and fallback, exact resume, world-size change and faults
+(NaN, full disk), with real processes and the real DeepSpeed engine.
 
-The multi-rank scenarios run as a few torchrun jobs (tests/ckpt_worker.py), each training several
-configs in one process group; the tests below read what they left behind.
+Most tests read what the shared 2-rank job (`two_ranks`, tests/conftest.py) left behind.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import pickle
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,98 +19,7 @@ import torch
 
 from pretrain import checkpoint, guards
 from pretrain.config import CheckpointConfig
-from tests.conftest import ROOT, TINY_SHAKESPEARE, subprocess_env
-
-CORPUS = f"--set=data.corpus={TINY_SHAKESPEARE}"  # what char_dataset was prepared from
-
-BIN = Path(sys.executable).parent
-
-
-def torchrun(nproc: int, port: int, data: Path, out: Path, jobs: list[dict], timeout: int = 600) -> dict:
-    jobs_file = out / f"jobs{nproc}.json"
-    jobs_file.write_text(json.dumps(jobs))
-    launcher = [
-        "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(port),
-    ] if nproc > 1 else []  # fmt: skip
-    cmd = [
-        sys.executable,
-        *launcher,
-        str(ROOT / "tests" / "ckpt_worker.py"),
-        str(data),
-        str(out),
-        str(jobs_file),
-    ]
-    proc = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        env=subprocess_env(PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    return dict(json.loads((out / f"jobs{nproc}.results.json").read_text()), _stdout=proc.stdout)
-
-
-def cli(
-    *args: str, env: dict[str, str] | None = None, timeout: int = 300
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(BIN / "pretrain"), *args],
-        cwd=ROOT,
-        env=subprocess_env(**(env or {})),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-# Checkpoints at 3, 6 and 8 (the end), all kept.
-DROPOUT = ["model.dropout=0.1", "checkpoint.interval=3", "checkpoint.keep_last=5"]
-
-
-# test_kill_9_with_supervised_restarts: 12 steps at ZeRO-2, checkpoints every 3.
-SUPERVISED = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
-              "batch.micro_batch_size=2", "optimizer.lr=3e-3", "schedule.max_steps=12",
-              "schedule.warmup_steps=2", "logging.log_interval=1", "logging.eval_interval=6",
-              "logging.eval_batches=2", "logging.sample_tokens=0", "zero.stage=2",
-              "checkpoint.interval=3"]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def two_ranks(char_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """One 2-rank job: uninterrupted and interrupted+resumed runs at ZeRO-2 and ZeRO-3 (with dropout,
-    so the RNG states matter), the sources of the world-size change, and NaN injection."""
-    out = tmp_path_factory.mktemp("ckpt2")
-    stop = {"PRETRAIN_FAULT_SIGTERM": "1:4"}  # rank 1 only; the run saves after step 5 and stops
-    jobs = [
-        {"name": "z0_full", "run": "z0_full", "overrides": ["zero.stage=0", *DROPOUT]},
-        {"name": "z2_full", "run": "z2_full", "overrides": ["zero.stage=2", *DROPOUT]},
-        {"name": "z2_stop", "run": "z2_res", "overrides": ["zero.stage=2", *DROPOUT], "env": stop},
-        {"name": "z2_resume", "run": "z2_res", "overrides": ["zero.stage=2", *DROPOUT], "resume": "auto"},
-        {"name": "z3_full", "run": "z3_full", "overrides": ["zero.stage=3", *DROPOUT]},
-        {"name": "z3_stop", "run": "z3_res", "overrides": ["zero.stage=3", *DROPOUT], "env": stop},
-        {"name": "z3_resume", "run": "z3_res", "overrides": ["zero.stage=3", *DROPOUT], "resume": "auto"},
-        {"name": "ws_z2", "run": "ws_z2", "overrides": ["zero.stage=2", "checkpoint.interval=4"]},
-        {"name": "ws_z3", "run": "ws_z3", "overrides": ["zero.stage=3", "checkpoint.interval=4"]},
-        *(
-            {
-                "name": f"nan_z{stage}",
-                "run": f"nan_z{stage}",
-                "overrides": [f"zero.stage={stage}", "checkpoint.interval=2", "checkpoint.max_bad_steps=2"],
-                "env": {"PRETRAIN_FAULT_NAN_STEPS": "3" if stage == 0 else "3,6,7"},
-            }
-            for stage in (0, 2, 3)
-        ),
-        {"name": "sup_ref", "run": "sup_ref", "overrides": SUPERVISED},  # test_kill_9_...'s reference
-    ]
-    return torchrun(2, 29541, char_dataset, out, jobs), out
-
-
-def ckpt(out: Path, run: str, step: int) -> Path:
-    return out / run / "checkpoints" / checkpoint.tag_for(step)
-
+from tests.conftest import CORPUS, ckpt, cli, torchrun
 
 # ---------------------------------------------------------------------------------------------
 # Exact resume, and saving on a signal
@@ -252,159 +159,6 @@ def test_world_size_change_through_universal_checkpoint(char_dataset, two_ranks,
 
 
 # ---------------------------------------------------------------------------------------------
-# Export and sampling
-
-
-@pytest.fixture(scope="module")
-def exported(two_ranks, tmp_path_factory) -> Path:
-    _, out = two_ranks
-    dest = tmp_path_factory.mktemp("export") / "z3"
-    done = cli("export", str(out / "z3_full"), "--out", str(dest))  # a run dir: its newest checkpoint
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "step 8" in done.stdout
-    return dest
-
-
-@pytest.mark.distributed
-def test_export_consolidates_any_zero_stage(two_ranks, exported, tmp_path):
-    from safetensors.torch import load_file
-
-    from pretrain.export import consolidated_state_dict, export
-
-    _, out = two_ranks
-    z0 = consolidated_state_dict(ckpt(out, "z0_full", 8))
-    z2 = consolidated_state_dict(ckpt(out, "z2_full", 8))
-    z3 = load_file(str(exported / "model.safetensors"))
-    assert set(z3) == set(z0) - {"lm_head.weight"}  # the tied head is stored once
-    for k, v in z3.items():
-        # every stage's gathering gives stage 0's weights (to rounding: ZeRO averages gradients
-        # in another order)
-        assert (z2[k] - z0[k]).abs().max() < 1e-5 and (v - z0[k]).abs().max() < 1e-5, k
-        assert v.dtype == torch.float32
-    export(ckpt(out, "z2_full", 8), tmp_path / "bf16", dtype="bf16", hf=False)
-    bf16 = load_file(str(tmp_path / "bf16" / "model.safetensors"))
-    assert all(v.dtype == torch.bfloat16 and torch.equal(v, z2[k].bfloat16()) for k, v in bf16.items())
-    assert not (tmp_path / "bf16" / "hf").exists()
-    info = json.loads((exported / "pretrain.json").read_text())
-    assert info["step"] == 8 and info["model"]["n_layer"] == 2
-
-
-@pytest.mark.distributed
-def test_hf_gpt2_dir_gives_our_logits(exported):
-    transformers = pytest.importorskip("transformers", reason="transformers is a dev extra")
-    from pretrain.export import load_model
-
-    ours, _, _ = load_model(exported)
-    hf = transformers.GPT2LMHeadModel.from_pretrained(exported / "hf").eval()
-    idx = torch.randint(
-        0, ours.cfg.vocab_size or 2, (3, ours.cfg.block_size), generator=torch.Generator().manual_seed(0)
-    )
-    with torch.no_grad():
-        logits, _ = ours(idx, idx)  # with targets: logits at every position
-        theirs = hf(idx).logits
-    diff = (logits - theirs).abs().max().item()
-    print(f"max |logit difference| vs GPT2LMHeadModel: {diff:.1e}")
-    assert diff < 1e-5
-
-
-@pytest.mark.distributed
-def test_sample_from_an_export_and_from_a_checkpoint(two_ranks, exported):
-    _, out = two_ranks
-    args = [
-        "--prompt",
-        "ROMEO:",
-        "--max-new-tokens",
-        "40",
-        "--temperature",
-        "0.9",
-        "--top-k",
-        "20",
-        "--seed",
-        "7",
-    ]
-    a = cli("sample", str(exported), *args)
-    assert a.returncode == 0, a.stderr[-3000:]
-    assert a.stdout.startswith("ROMEO:") and len(a.stdout.strip()) >= 40
-    from pretrain.export import generate, load_model, tokenizer_for
-
-    model, cfg, where = load_model(ckpt(out, "z3_full", 8))  # consolidated in memory
-    text = generate(model, tokenizer_for(where, cfg), "ROMEO:", 40, 0.9, 20, 7)[0]
-    assert a.stdout == text + "\n"
-    assert generate(model, tokenizer_for(where, cfg), "ROMEO:", 40, 0.9, 20, 8)[0] != text  # another seed
-
-
-# ---------------------------------------------------------------------------------------------
-# kill -9: a supervised run restarts from the newest checkpoint and ends where an uninterrupted
-# run ends; a kill during a save leaves the previous checkpoint in charge.
-
-
-@pytest.mark.distributed
-def test_kill_9_with_supervised_restarts(char_dataset, two_ranks, tmp_path):
-    """rank 1 is killed after step 5, then rank 0 while it saves step 9: two restarts."""
-    from pretrain.export import consolidated_state_dict
-
-    _, out = two_ranks
-    run = tmp_path / "sup"
-    sets = [
-        CORPUS,
-        *(f"--set={s}" for s in [*SUPERVISED, f"data.dataset_dir={char_dataset}", f"logging.run_dir={run}"]),
-    ]
-    faults = {"PRETRAIN_FAULT_KILL": "1:5", "PRETRAIN_FAULT_KILL_IN_SAVE": "9"}
-    done = cli("train", *sets, "--max-restarts", "3", "--nproc-per-node", "2", env=faults, timeout=600)
-    log = done.stdout + done.stderr
-    assert done.returncode == 0, log[-6000:]
-    assert "SIGKILL" in log and "(kill-1-5)" in log and "(kill-in-save-9)" in log
-    assert log.count("restarting every rank from the newest checkpoint") == 2
-    assert "resumed from" in log and f"{run}/checkpoints/step_00000003 at step 3" in log
-    # killed while saving step 9: the next start used step 6, and the partial save is gone
-    assert f"{run}/checkpoints/step_00000006 at step 6" in log
-    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(("step", ".", "latest"))) == [
-        "latest", "step_00000009", "step_00000012",
-    ]  # fmt: skip
-    # the reference: the same config, uninterrupted (trained by the 2-rank job)
-    ref = out / "sup_ref"
-    got = consolidated_state_dict(run / "checkpoints" / "step_00000012")
-    want = consolidated_state_dict(ref / "checkpoints" / "step_00000012")
-    assert all(torch.equal(got[k], want[k]) for k in want)
-    last = (run / "metrics.csv").read_text().splitlines()
-    ref_last = (ref / "metrics.csv").read_text().splitlines()
-    loss = [line.split(",")[1] for line in last if line.startswith("12,") and line.split(",")[1]]
-    ref_loss = [line.split(",")[1] for line in ref_last if line.startswith("12,") and line.split(",")[1]]
-    assert loss == ref_loss and loss
-
-
-def test_sigterm_to_a_supervised_run_saves_and_stops(char_dataset, tmp_path):
-    """Preemption: SIGTERM to `pretrain train --nproc-per-node` reaches the ranks, which save."""
-    import time
-
-    run = tmp_path / "run"
-    endless = ["schedule.max_steps=1000000", "checkpoint.interval=1000000", "logging.eval_interval=1000000"]
-    sets = [
-        f"--set={s}"
-        for s in [*SUPERVISED, *endless, f"data.dataset_dir={char_dataset}", f"logging.run_dir={run}"]
-    ]
-    proc = subprocess.Popen(
-        [str(BIN / "pretrain"), "train", CORPUS, *sets, "--nproc-per-node", "1"],
-        cwd=ROOT,
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    metrics = run / "metrics.csv"
-    deadline = time.monotonic() + 180
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) > 3):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    out = proc.communicate(timeout=180)[0]
-    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
-    tags, _ = checkpoint.committed_tags(run / "checkpoints")
-    assert len(tags) == 1 and f"stopped by SIGTERM at step {checkpoint.step_of(tags[0])};" in out
-    assert checkpoint.verify(run / "checkpoints" / tags[0]) == []
-
-
-# ---------------------------------------------------------------------------------------------
 # Full disk, unwritable directory
 
 
@@ -438,6 +192,7 @@ TINY_RUN = ["--set=batch.micro_batch_size=2", "--set=logging.log_interval=1", "-
             "--set=checkpoint.keep_last=1", "--set=schedule.max_steps=4"]  # fmt: skip
 
 
+@pytest.mark.distributed
 def test_disk_filling_up_mid_run_keeps_the_previous_checkpoint(char_dataset, tmp_path, small_disk):
     # the `tiny` model: a checkpoint is about 5 MB at stage 0 (weights + AdamW moments); 9 MB
     # pass the start-up check but not two checkpoints side by side.
@@ -455,6 +210,7 @@ def test_disk_filling_up_mid_run_keeps_the_previous_checkpoint(char_dataset, tmp
     assert checkpoint.verify(disk / "ck" / "step_00000002") == []
 
 
+@pytest.mark.distributed
 def test_full_or_unwritable_checkpoint_dir_is_a_start_up_error(char_dataset, tmp_path, small_disk):
     full = small_disk("1m")
     common = [
@@ -487,6 +243,7 @@ def test_preflight_names_an_unwritable_dir(tmp_path):
 # Validation, fallback, retention (on real checkpoints from the 2-rank job, copied)
 
 
+@pytest.mark.distributed
 def test_resume_auto_falls_back_past_invalid_checkpoints(two_ranks, tmp_path):
     _, out = two_ranks
     ck = tmp_path / "checkpoints"
@@ -548,6 +305,7 @@ class _Evil:
         return (os.system, ("echo pwned",))
 
 
+@pytest.mark.distributed
 def test_loads_are_weights_only(two_ranks, converted, tmp_path):
     _, out = two_ranks
     files = [p for run in ("z2_full", "z3_full", "ws_z3") for p in (out / run / "checkpoints").rglob("*.pt")]

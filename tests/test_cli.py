@@ -33,6 +33,7 @@ def steps_logged(run_dir: Path) -> list[int]:
         return [int(r["step"]) for r in csv.DictReader(f) if r["loss"]]
 
 
+@pytest.mark.distributed
 def test_prepare_train_resume(tmp_path):
     require_shared_data()
     data = [f"--set=data.corpus={TINY_SHAKESPEARE}", f"--set=data.dataset_dir={tmp_path / 'data'}"]
@@ -70,6 +71,7 @@ def test_prepare_train_resume(tmp_path):
     ]
 
 
+@pytest.mark.distributed
 def test_deepspeed_launcher_two_ranks_with_a_ds_config(tmp_path):
     """`deepspeed pretrain/main.py --ds ds_configs/zero2_offload.json`, with the launcher's --local_rank."""
     require_shared_data()

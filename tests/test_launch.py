@@ -234,6 +234,7 @@ def test_slurm_sbatch_derives_the_hostfile_from_the_allocation(nodelist, hosts, 
 # preflight on this host (a `localhost` hostfile needs no ssh)
 
 
+@pytest.mark.distributed
 def test_preflight_on_localhost(char_dataset, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")

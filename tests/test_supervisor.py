@@ -1,0 +1,81 @@
+"""Supervised runs (`pretrain train --nproc-per-node K --max-restarts N`): kill -9 restarts every
+rank from the newest checkpoint and ends where an uninterrupted run ends; a kill during a save
+leaves the previous checkpoint in charge; SIGTERM reaches the ranks, which save and stop."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+import pytest
+import torch
+
+from pretrain import checkpoint
+from tests.conftest import BIN, CORPUS, ROOT, SUPERVISED, cli, subprocess_env
+
+
+@pytest.mark.distributed
+def test_kill_9_with_supervised_restarts(char_dataset, two_ranks, tmp_path):
+    """rank 1 is killed after step 5, then rank 0 while it saves step 9: two restarts."""
+    from pretrain.export import consolidated_state_dict
+
+    _, out = two_ranks
+    run = tmp_path / "sup"
+    sets = [
+        CORPUS,
+        *(f"--set={s}" for s in [*SUPERVISED, f"data.dataset_dir={char_dataset}", f"logging.run_dir={run}"]),
+    ]
+    faults = {"PRETRAIN_FAULT_KILL": "1:5", "PRETRAIN_FAULT_KILL_IN_SAVE": "9"}
+    done = cli("train", *sets, "--max-restarts", "3", "--nproc-per-node", "2", env=faults, timeout=600)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-6000:]
+    assert "SIGKILL" in log and "(kill-1-5)" in log and "(kill-in-save-9)" in log
+    assert log.count("restarting every rank from the newest checkpoint") == 2
+    assert "resumed from" in log and f"{run}/checkpoints/step_00000003 at step 3" in log
+    # killed while saving step 9: the next start used step 6, and the partial save is gone
+    assert f"{run}/checkpoints/step_00000006 at step 6" in log
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(("step", ".", "latest"))) == [
+        "latest", "step_00000009", "step_00000012",
+    ]  # fmt: skip
+    # the reference: the same config, uninterrupted (trained by the 2-rank job)
+    ref = out / "sup_ref"
+    got = consolidated_state_dict(run / "checkpoints" / "step_00000012")
+    want = consolidated_state_dict(ref / "checkpoints" / "step_00000012")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    last = (run / "metrics.csv").read_text().splitlines()
+    ref_last = (ref / "metrics.csv").read_text().splitlines()
+    loss = [line.split(",")[1] for line in last if line.startswith("12,") and line.split(",")[1]]
+    ref_loss = [line.split(",")[1] for line in ref_last if line.startswith("12,") and line.split(",")[1]]
+    assert loss == ref_loss and loss
+
+
+@pytest.mark.distributed
+def test_sigterm_to_a_supervised_run_saves_and_stops(char_dataset, tmp_path):
+    """Preemption: SIGTERM to `pretrain train --nproc-per-node` reaches the ranks, which save."""
+    import time
+
+    run = tmp_path / "run"
+    endless = ["schedule.max_steps=1000000", "checkpoint.interval=1000000", "logging.eval_interval=1000000"]
+    sets = [
+        f"--set={s}"
+        for s in [*SUPERVISED, *endless, f"data.dataset_dir={char_dataset}", f"logging.run_dir={run}"]
+    ]
+    proc = subprocess.Popen(
+        [str(BIN / "pretrain"), "train", CORPUS, *sets, "--nproc-per-node", "1"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    metrics = run / "metrics.csv"
+    deadline = time.monotonic() + 180
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) > 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=180)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    tags, _ = checkpoint.committed_tags(run / "checkpoints")
+    assert len(tags) == 1 and f"stopped by SIGTERM at step {checkpoint.step_of(tags[0])};" in out
+    assert checkpoint.verify(run / "checkpoints" / tags[0]) == []
