@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -263,9 +264,7 @@ class BatchConfig(Section):
             if self.data_parallel_size is None:
                 object.__setattr__(self, "data_parallel_size", world)
             elif self.data_parallel_size != world:
-                problems.append(
-                    f"data_parallel_size ({self.data_parallel_size}) does not match the world size ({world})"
-                )
+                problems.append(self._world_mismatch(self.data_parallel_size, world))
         dp = self.data_parallel_size
         if dp is not None:
             derived = self.micro_batch_size * self.gradient_accumulation_steps * dp
@@ -278,6 +277,15 @@ class BatchConfig(Section):
             elif self.train_batch_size is None:
                 object.__setattr__(self, "train_batch_size", derived)
         return problems
+
+    def _world_mismatch(self, dp: int, world: int) -> str:
+        # No "; " in the message: `validate` splits a section's problems there.
+        fix = f"pass --set batch.data_parallel_size={world}"
+        acc = self.gradient_accumulation_steps * dp
+        if acc % world == 0:
+            batch = self.micro_batch_size * acc
+            fix += f" (with --set batch.gradient_accumulation_steps={acc // world} to keep {batch} sequences per step)"
+        return f"data_parallel_size ({dp}) does not match the world size ({world}): {fix}"
 
 
 class PrecisionConfig(Section):
@@ -464,9 +472,14 @@ class RunConfig(Section):
         problems = [f"deepspeed_extra: {p}" for p in unknown_deepspeed_keys(self.deepspeed_extra)]
         for key in sorted(MODELED_DEEPSPEED_KEYS & set(self.deepspeed_extra)):
             sub = self.deepspeed_extra[key]
-            if key == "zero_optimization" and isinstance(sub, dict) and not set(sub) & set(ZERO_KEYS):
-                continue  # unmodeled ZeRO knobs (e.g. stage3_prefetch_bucket_size) pass through
+            if key in PARTLY_MODELED and isinstance(sub, dict) and not set(sub) & PARTLY_MODELED[key]:
+                continue  # the knobs the tree leaves alone (e.g. stage3_prefetch_bucket_size) pass through
             problems.append(f"deepspeed_extra: '{key}' is modeled by the tree; set it there")
+        for path in auto_paths(self.deepspeed_extra):
+            if path not in {f"zero_optimization.{k}" for k in ZERO_AUTO}:
+                problems.append(
+                    f"deepspeed_extra.{path}: 'auto' has nothing in the tree to resolve from, set a value"
+                )
         return problems
 
     def run_dir(self) -> Path:
@@ -644,3 +657,37 @@ ZERO_KEYS = {
     "reduce_bucket_size": "reduce_bucket_size",
     "allgather_bucket_size": "allgather_bucket_size",
 }
+
+# fp16 keys the `precision` section models (loss_scale is always 0, dynamic): DeepSpeed's name -> field.
+FP16_KEYS = {
+    "enabled": "fp16",
+    "initial_scale_power": "initial_scale_power",
+    "loss_scale_window": "loss_scale_window",
+    "hysteresis": "hysteresis",
+    "min_loss_scale": "min_loss_scale",
+}
+
+# Modeled sections whose other knobs may pass through in `deepspeed_extra`: section -> modeled keys.
+PARTLY_MODELED = {
+    "zero_optimization": set(ZERO_KEYS),
+    "fp16": set(FP16_KEYS) | {"loss_scale"},
+    "bf16": {"enabled"},
+}
+
+# Unmodeled zero_optimization knobs that "auto" sizes from the model width (n_embd) when the JSON is
+# rendered, with the Hugging Face Trainer's formulas. ("auto" in a modeled key keeps the tree's value.)
+ZERO_AUTO: dict[str, Callable[[int], int]] = {
+    "stage3_prefetch_bucket_size": lambda hidden: int(0.9 * hidden * hidden),
+    "stage3_param_persistence_threshold": lambda hidden: 10 * hidden,
+}
+
+
+def auto_paths(node: Any, prefix: str = "") -> list[str]:
+    """The dotted paths under `node` whose value is the string "auto"."""
+    if node == "auto":
+        return [prefix]
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in auto_paths(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in auto_paths(v, f"{prefix}.{i}")]
+    return []

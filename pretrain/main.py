@@ -1,6 +1,6 @@
 """Entry point for launchers that take a script path:
 
-    deepspeed --num_gpus 2 pretrain/main.py --ds ds_configs/zero2_offload.json [--config run.yaml]
+    deepspeed --num_gpus 2 pretrain/main.py --ds ds_configs/cpu_zero2.json [--set key=value ...]
 
 Equivalent to `pretrain train ...`; the launcher's `--local_rank` is accepted and ignored in
 favour of the LOCAL_RANK environment variable.

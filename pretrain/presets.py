@@ -2,8 +2,8 @@
 rendered into `ds_configs/`.
 
 A preset is a partial tree (a nested dict) merged over the defaults; a run config file, a
-DeepSpeed JSON and `--set` overrides go on top, in that order (`build`). The char-level presets train on one CPU; the GPT-2 sizes use the
-50257-token BPE and are meant for GPU clusters.
+DeepSpeed JSON and `--set` overrides go on top, in that order (`build`). The char-level presets
+train on one CPU; the GPT-2 sizes use the 50257-token BPE and are meant for GPU clusters.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.config import RunConfig, deep_merge, load_file, parse_override, validate
-from pretrain.ds_config import tree_from_deepspeed
+from pretrain.ds_config import recorded_run, tree_from_deepspeed
+from pretrain.ds_import import deepspeed_problems
 from pretrain.errors import ConfigError
 
 _GPT2_DATA = {"tokenizer": "gpt2"}
@@ -120,21 +121,54 @@ def build(
     world_size: int | None = None,
 ) -> RunConfig:
     """A run's config: the preset < the config file < the DeepSpeed JSON < the overrides, validated
-    once for `world_size` (None: the batch's data_parallel_size stays unresolved)."""
-    data = preset_dict(preset or "tiny")
-    if config_file:
-        file_data = load_file(config_file)
-        data = deep_merge(data, file_data)
-        if preset is None and "preset" in file_data:
-            data = deep_merge(preset_dict(str(file_data["preset"])), file_data)
-    if ds_file:
-        data = deep_merge(data, tree_from_deepspeed(load_file(ds_file), source=str(ds_file)))
+    once for `world_size` (None: the batch's data_parallel_size stays unresolved).
+
+    The preset is `preset`, else the config file's, else (with neither) the one a DeepSpeed JSON
+    rendered by pretrain records, with its model and tokenizer; else `tiny`. A DeepSpeed JSON written
+    elsewhere says nothing of the model, so it needs a preset or a config file."""
+    file_data = load_file(config_file) if config_file else {}
+    ds = load_file(ds_file) if ds_file else None
+    recorded = recorded_run(ds, str(ds_file)) if ds is not None else None
+    if ds is not None and preset is None and not config_file and recorded is None:
+        raise ConfigError(
+            [
+                f"{ds_file} was not rendered by pretrain, so it does not say which model to train: pass "
+                f"--preset NAME (one of: {', '.join(PRESETS)}) or --config FILE"
+            ],
+            "DeepSpeed JSON",
+        )
+    base = preset_dict(preset or str(file_data.get("preset", "")) or "tiny")
+    if recorded is not None and preset is None and not config_file:
+        base = deep_merge(preset_dict(recorded["preset"]), recorded)
+    data = deep_merge(base, file_data)
+    over: dict[str, Any] = {}
     problems: list[str] = []
     for item in overrides or []:
         try:
-            data = deep_merge(data, parse_override(item))
+            over = deep_merge(over, parse_override(item))
         except ConfigError as e:
             problems += e.problems
     if problems:
         raise ConfigError(problems, "override")
-    return validate(data, world_size)
+    if ds is not None:
+        # "auto" in the JSON resolves against the tree without it: the layers below, and the overrides
+        tree = tree_from_deepspeed(ds, str(ds_file), deep_merge(data, over), world_size, record=False)
+        data = deep_merge(data, tree)
+    return validate(deep_merge(data, over), world_size)
+
+
+def build_checked(ds_file: str | Path | None = None, **build_args: Any) -> RunConfig:
+    """`build(ds_file=ds_file, **build_args)`, with every section of the DeepSpeed JSON also checked
+    by DeepSpeed's own validators, all problems in one error. Imports DeepSpeed: the commands that
+    only need the tree use `build`."""
+    if not ds_file:
+        return build(**build_args)
+    found = deepspeed_problems(load_file(ds_file))
+    try:
+        cfg = build(ds_file=ds_file, **build_args)
+    except ConfigError as e:
+        said = {p.split(": ")[0] for p in e.problems}  # one problem per key: build's own says it
+        raise ConfigError(e.problems + [p for p in found if p.split(": ")[0] not in said], e.source) from None
+    if found:
+        raise ConfigError(found, str(ds_file))
+    return cfg

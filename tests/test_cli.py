@@ -79,6 +79,7 @@ def test_deepspeed_launcher_two_ranks_with_a_ds_config(tmp_path):
     cmd = [
         str(BIN / "deepspeed"), "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", "29533",
         str(ROOT / "pretrain" / "main.py"), "--ds", str(ROOT / "ds_configs" / "zero2_offload.json"),
+        "--preset", "tiny",  # the JSON records gpt-6.7b (GPT-2 BPE); this test trains the char-level tiny
         "--set", "batch.data_parallel_size=2", "--set", "batch.gradient_accumulation_steps=2",
         "--set", "precision.bf16=false", "--set", "model.activation_checkpointing=false",
         f"--set=data.corpus={TINY_SHAKESPEARE}", f"--set=data.dataset_dir={tmp_path / 'data'}",

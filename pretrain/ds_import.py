@@ -1,0 +1,620 @@
+"""DeepSpeed JSONs written elsewhere, in the tree's terms.
+
+Users bring DeepSpeed JSONs from DeepSpeed's tutorials, the Hugging Face Trainer (full of "auto"),
+Megatron-DeepSpeed and GPT-NeoX. `tree_from_deepspeed` (ds_config.py) reads them with the pieces
+here: a `Reading` takes each value for the tree with a strict type check, "auto" keeping the tree's
+value; `read_optimizer` and `read_scheduler` translate DeepSpeed's optimizer and LR scheduler where
+the tree can express them, and say why not where it cannot; `deepspeed_problems` checks the other
+sections with DeepSpeed's own validators. It imports DeepSpeed (seconds), so the commands that only
+need the tree (`launch-env`, `prepare`) never call it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import cache
+from pathlib import Path
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, create_model
+
+from pretrain.config import DEEPSPEED_PASSTHROUGH_KEYS, RunConfig
+from pretrain.errors import did_you_mean
+
+AUTO = "auto"  # the Hugging Face Trainer's placeholder: here, "the tree's value"
+
+
+# ---------------------------------------------------------------------------------------------
+# Values and their types
+
+
+def shown(value: Any) -> str:
+    """A JSON value as the user wrote it, saying when it is a string."""
+    text = json.dumps(value, default=str)
+    return f"{text} (a string)" if isinstance(value, str) else text
+
+
+def is_whole(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def type_problem(value: Any, annotation: Any) -> str | None:
+    """Why `value`, read from JSON, does not have the type `annotation`; None if it does.
+
+    Stricter than pydantic's lax mode, which takes "true" for true and "2" for 2: in a DeepSpeed JSON
+    those are mistakes. Whole-valued floats (5e8) are whole numbers, as JSON writes them."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return type_problem(value, get_args(annotation)[0])
+    if origin in (Union, UnionType):
+        options = [a for a in get_args(annotation) if a is not type(None)]
+        if value is None and len(options) < len(get_args(annotation)):
+            return None
+        problems = [type_problem(value, a) for a in options]
+        return None if None in problems else problems[0]
+    if origin is Literal:
+        choices = get_args(annotation)
+        if any(value == c and type(value) is type(c) for c in choices):
+            return None
+        return f"expected one of {', '.join(json.dumps(c) for c in choices)}, got {shown(value)}"
+    if isinstance(annotation, type) and issubclass(annotation, Enum):
+        annotation = int if issubclass(annotation, int) else str if issubclass(annotation, str) else None
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        annotation = dict
+    checks: dict[Any, tuple[Any, str]] = {
+        bool: (lambda v: isinstance(v, bool), "true or false"),
+        int: (is_whole, "a whole number"),
+        float: (is_number, "a number"),
+        str: (lambda v: isinstance(v, str), "a string"),
+        Path: (lambda v: isinstance(v, str), "a path (a string)"),
+        dict: (lambda v: isinstance(v, dict), "a mapping (a JSON object)"),
+        list: (lambda v: isinstance(v, list), "a list"),
+        tuple: (lambda v: isinstance(v, list) and all(is_number(x) for x in v), "a list of numbers"),
+    }
+    ok, want = checks.get(origin or annotation, (lambda v: True, ""))
+    return None if ok(value) else f"expected {want}, got {shown(value)}"
+
+
+@cache
+def _field_adapter(section: str, key: str) -> tuple[Any, TypeAdapter[Any]]:
+    model = RunConfig.model_fields[section].annotation
+    assert isinstance(model, type) and issubclass(model, BaseModel)
+    info = model.model_fields[key]
+    # a type built at run time: the field's annotation with its bounds
+    return info.annotation, TypeAdapter(Annotated[info.annotation, info])  # type: ignore[arg-type]
+
+
+def field_value(section: str, key: str, value: Any) -> Any:
+    """`value` as the tree's field section.key takes it; ValueError says why it cannot."""
+    annotation, adapter = _field_adapter(section, key)
+    problem = type_problem(value, annotation)
+    if problem:
+        raise ValueError(problem)
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as e:
+        raise ValueError(f"{e.errors()[0]['msg']} (got {shown(value)})") from None
+
+
+def without_auto(value: Any) -> Any:
+    """`value` with every "auto" entry left out: DeepSpeed's default, as the Hugging Face Trainer
+    leaves the keys it has nothing for."""
+    if isinstance(value, dict):
+        return {k: without_auto(v) for k, v in value.items() if v != AUTO}
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# A JSON on its way into the tree
+
+
+@dataclass
+class Reading:
+    """What one DeepSpeed JSON sets in the tree, what it passes through, what is wrong with it.
+
+    `base` is the tree without the JSON (preset, config file, overrides): what "auto" and the LR
+    scheduler's ratios resolve against."""
+
+    base: dict[str, Any]
+    tree: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    origin: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def put(self, where: str, section: str, key: str, value: Any, replace: bool = False) -> None:
+        """Set the tree's section.key from the JSON's `where`. "auto" keeps the tree's value; a value
+        of the wrong type, out of bounds, or contradicting another key of the JSON is a problem."""
+        if value == AUTO:
+            return
+        try:
+            value = field_value(section, key, value)
+        except ValueError as e:
+            self.problems.append(f"{where}: {e}")
+            return
+        had = self.tree.get(section, {})
+        if key in had and had[key] != value and not replace:
+            self.problems.append(
+                f"{where} ({json.dumps(value)}) contradicts {self.origin[(section, key)]} ({json.dumps(had[key])})"
+            )
+            return
+        self.tree.setdefault(section, {})[key] = value
+        self.origin[(section, key)] = where
+
+    def current(self, section: str, key: str) -> Any:
+        """The tree's section.key as it stands: set by the JSON, else by the base, else the default."""
+        for layer in (self.tree, self.base):
+            if key in layer.get(section, {}):
+                return layer[section][key]
+        model = RunConfig.model_fields[section].annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel)
+        return model.model_fields[key].default
+
+    def mapping(self, where: str, value: Any) -> dict[str, Any]:
+        """A section of the JSON, which must be a mapping; {} (and a problem) if it is not."""
+        if isinstance(value, dict):
+            return value
+        self.problems.append(f"{where}: expected a mapping (a JSON object), got {shown(value)}")
+        return {}
+
+    def unknown(self, where: str, section: dict[str, Any], known: set[str] | dict[str, Any]) -> None:
+        for k in section:
+            if k not in known:
+                self.problems.append(f"{where}.{k}: unknown key{did_you_mean(k, list(known))}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The optimizer
+
+_ADAM_PARAMS = {
+    "lr", "betas", "eps", "weight_decay", "torch_adam", "fused", "adam_w_mode", "bias_correction",
+    "amsgrad", "max_grad_norm",
+}  # fmt: skip
+
+
+# Adam parameters accepted as they are: AdamW either way (type AdamW ignores adam_w_mode; Adam's
+# false is refused), and DeepSpeed's defaults.
+_ACCEPTED = {"adam_w_mode": (True, False), "bias_correction": (True,), "amsgrad": (False,)}
+
+
+def read_optimizer(r: Reading, value: Any) -> None:
+    """DeepSpeed's Adam (AdamW unless adam_w_mode is false) and AdamW into the `optimizer` section."""
+    opt = r.mapping("optimizer", value)
+    r.unknown("optimizer", opt, {"type", "params", "legacy_fusion"})
+    kind = opt.get("type")
+    if not isinstance(kind, str) or kind.lower() not in ("adam", "adamw"):
+        r.problems.append(
+            f"optimizer.type: {json.dumps(kind)} is not supported: pretrain trains with AdamW; write "
+            '"type": "AdamW" (or DeepSpeed\'s "Adam", which is AdamW too), or leave out `optimizer` '
+            "and set the tree's `optimizer` section"
+        )
+        return
+    if opt.get("legacy_fusion", False) is not False:
+        r.problems.append("optimizer.legacy_fusion: DeepSpeed's legacy fused optimizer is not supported")
+    params = r.mapping("optimizer.params", opt.get("params", {}))
+    for k, v in params.items():
+        where = f"optimizer.params.{k}"
+        if k in ("lr", "betas", "eps", "weight_decay"):
+            r.put(where, "optimizer", k, v)
+        elif k == "torch_adam":
+            r.put(where, "optimizer", "fused_adam", not v if isinstance(v, bool) else v)
+            if v is True:
+                r.put(where, "optimizer", "torch_fused", params.get("fused", False))
+        elif k == "fused" and params.get("torch_adam") is True:
+            continue  # read with torch_adam: torch.optim.AdamW's fused kernel
+        elif k == "adam_w_mode" and v is False and kind.lower() == "adam":
+            r.problems.append(
+                f"{where}: false makes DeepSpeed's Adam plain Adam with L2 regularization (the decay added "
+                "to the gradient); pretrain trains AdamW, whose weight decay is decoupled: drop "
+                'adam_w_mode (true is DeepSpeed\'s default) or write "type": "AdamW"'
+            )
+        elif any(v is ok for ok in _ACCEPTED.get(k, ())):
+            continue
+        elif k == "max_grad_norm":
+            r.put(where, "optimizer", "grad_clip", v)  # the old FusedAdam's own clipping
+        else:
+            why = {
+                "bias_correction": ": pretrain's AdamW always corrects the moments' bias",
+                "amsgrad": ": pretrain's AdamW does not use AMSGrad",
+                "fused": ": only with torch_adam true (torch.optim.AdamW's fused kernel)",
+            }.get(k, did_you_mean(k, _ADAM_PARAMS))
+            r.problems.append(f"{where}: not supported by pretrain{why}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The LR scheduler
+
+REQUIRED = "(required)"
+
+# DeepSpeed's LR schedulers (deepspeed/runtime/lr_schedules.py): each one's parameters with their
+# defaults. A test checks them against DeepSpeed's signatures.
+SCHEDULERS: dict[str, dict[str, Any]] = {
+    "WarmupLR": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000, "warmup_type": "log",
+        "last_batch_iteration": -1,
+    },
+    "WarmupDecayLR": {
+        "total_num_steps": REQUIRED, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000,
+        "warmup_type": "log", "last_batch_iteration": -1,
+    },
+    "WarmupCosineLR": {
+        "total_num_steps": REQUIRED, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
+        "cos_min_ratio": 0.0001, "warmup_type": "log", "last_batch_iteration": -1,
+    },
+    "OneCycle": {
+        "cycle_min_lr": REQUIRED, "cycle_max_lr": REQUIRED, "decay_lr_rate": 0.0, "cycle_first_step_size": 2000,
+        "cycle_second_step_size": None, "cycle_first_stair_count": 0, "cycle_second_stair_count": None,
+        "decay_step_size": 0, "cycle_momentum": True, "cycle_min_mom": 0.8, "cycle_max_mom": 0.9,
+        "decay_mom_rate": 0.0, "last_batch_iteration": -1,
+    },
+    "LRRangeTest": {
+        "lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 2000, "lr_range_test_step_rate": 1.0,
+        "lr_range_test_staircase": False, "last_batch_iteration": -1,
+    },
+}  # fmt: skip
+
+# Scheduler parameters with a counterpart in the tree: "auto" there keeps the tree's value. In any
+# other, "auto" is DeepSpeed's default.
+_FROM_TREE = {
+    "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps",
+    "warmup_min_ratio", "cos_min_ratio", "lr_range_test_min_lr",
+}  # fmt: skip
+
+_INSTEAD = "use the tree's `schedule` section instead (and leave out `scheduler`)"
+
+
+def _param_type(name: str, default: Any) -> Any:
+    kind: Any = (
+        str if name == "warmup_type"
+        else bool if name in ("cycle_momentum", "lr_range_test_staircase")
+        else float if name.endswith(("_lr", "_ratio", "_rate", "_mom"))
+        else int
+    )  # fmt: skip
+    return kind | None if default is None else kind
+
+
+def read_scheduler(r: Reading, value: Any) -> None:
+    """DeepSpeed's LR scheduler into the tree's `schedule` (and optimizer.lr), where lr_at can draw
+    the same curve: linear warmup from warmup_start_ratio x peak, then a cosine to min_lr_ratio x
+    peak at max_steps. Read after the optimizer section, whose lr it may set."""
+    sched = r.mapping("scheduler", value)
+    r.unknown("scheduler", sched, {"type", "params"})
+    kind = sched.get("type")
+    if not isinstance(kind, str) or kind not in SCHEDULERS:
+        r.problems.append(
+            f"scheduler.type: {json.dumps(kind)} is not one of DeepSpeed's schedulers ({', '.join(SCHEDULERS)})"
+        )
+        return
+    defaults = SCHEDULERS[kind]
+    given = r.mapping("scheduler.params", sched.get("params", {}))
+    before = len(r.problems)
+    for name, v in given.items():
+        where = f"scheduler.params.{name}"
+        if name not in defaults:
+            r.problems.append(f"{where}: not a parameter of {kind}{did_you_mean(name, list(defaults))}")
+        elif v != AUTO and (problem := type_problem(v, _param_type(name, defaults[name]))):
+            r.problems.append(f"{where}: {problem}")
+    for name, default in defaults.items():
+        if default == REQUIRED and name not in given:
+            r.problems.append(f"scheduler.params.{name}: {kind} requires it")
+    if given.get("last_batch_iteration", -1) not in (-1, AUTO):
+        r.problems.append(
+            "scheduler.params.last_batch_iteration: pretrain resumes the LR from its own step count; "
+            "leave it -1"
+        )
+    if len(r.problems) > before:
+        return
+    args = {
+        k: defaults[k] if v == AUTO and k not in _FROM_TREE else v for k, v in {**defaults, **given}.items()
+    }
+    if kind in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR") and args["warmup_type"] not in (
+        "linear",
+        AUTO,
+    ):
+        default = "" if "warmup_type" in given else " (DeepSpeed's default)"
+        r.problems.append(
+            f"scheduler.params.warmup_type: {kind} warms up along a {args['warmup_type']!r} curve{default}, "
+            'but pretrain\'s warmup is linear: write "warmup_type": "linear", or ' + _INSTEAD
+        )
+    TRANSLATIONS[kind](r, args)
+    if len(r.problems) == before:
+        fields = [
+            ("schedule", k) for k in ("max_steps", "warmup_steps", "warmup_start_ratio", "min_lr_ratio")
+        ]
+        became = [
+            f"{section}.{key}={_short(r.current(section, key))}"
+            for section, key in [*fields, ("optimizer", "lr")]
+        ]
+        r.notes.append(f"scheduler {kind} became {', '.join(became)} ({_SHAPES[kind]})")
+
+
+def _short(value: Any) -> str:
+    return f"{value:.6g}" if is_number(value) else str(value)
+
+
+_SHAPES = {
+    "WarmupLR": "linear warmup, then constant",
+    "WarmupCosineLR": "linear warmup, then cosine",
+    "LRRangeTest": "a linear rise over the whole run",
+}
+
+
+def _peak(r: Reading, where: str, lr: Any) -> float | None:
+    """The peak LR: `lr` if the scheduler gives one (it then sets the optimizer's, as DeepSpeed's
+    schedulers do), else the tree's. None if the tree's is not a positive number (validate says so)."""
+    if is_number(lr):
+        r.put(where, "optimizer", "lr", lr, replace=True)
+    peak = r.current("optimizer", "lr")
+    return float(peak) if is_number(peak) and peak > 0 else None
+
+
+def _warmup(r: Reading, min_lr: Any, peak: float | None, steps: Any, where: str) -> None:
+    if is_number(min_lr) and peak is not None:
+        if min_lr > peak:
+            r.problems.append(f"{where}: {min_lr} is above the peak LR ({peak})")
+        else:
+            r.put(where, "schedule", "warmup_start_ratio", min_lr / peak)
+    if steps != AUTO:
+        # DeepSpeed warms up over at least 2 steps
+        r.put("scheduler.params.warmup_num_steps", "schedule", "warmup_steps", max(2, steps))
+
+
+def _warmup_lr(r: Reading, a: dict[str, Any]) -> None:
+    peak = _peak(r, "scheduler.params.warmup_max_lr", a["warmup_max_lr"])
+    _warmup(r, a["warmup_min_lr"], peak, a["warmup_num_steps"], "scheduler.params.warmup_min_lr")
+    r.put("scheduler.type", "schedule", "min_lr_ratio", 1.0)  # constant after warmup
+
+
+def _warmup_decay_lr(r: Reading, a: dict[str, Any]) -> None:
+    r.problems.append(
+        "scheduler.params.total_num_steps: WarmupDecayLR decays the LR linearly to 0 at total_num_steps, "
+        "but pretrain's schedule decays along a cosine to schedule.min_lr_ratio: " + _INSTEAD
+    )
+
+
+def _warmup_cosine_lr(r: Reading, a: dict[str, Any]) -> None:
+    r.put("scheduler.params.total_num_steps", "schedule", "max_steps", a["total_num_steps"])
+    r.put("scheduler.params.warmup_min_ratio", "schedule", "warmup_start_ratio", a["warmup_min_ratio"])
+    r.put("scheduler.params.cos_min_ratio", "schedule", "min_lr_ratio", a["cos_min_ratio"])
+    _warmup(r, None, None, a["warmup_num_steps"], "")
+
+
+def _one_cycle(r: Reading, a: dict[str, Any]) -> None:
+    r.problems.append(
+        "scheduler.params.cycle_second_step_size: OneCycle brings the LR back down linearly to cycle_min_lr "
+        "over these steps (then divides it by decay_lr_rate), but pretrain's schedule decays along a "
+        "cosine: " + _INSTEAD
+    )
+    if a["cycle_momentum"]:
+        r.problems.append(
+            "scheduler.params.cycle_momentum: OneCycle cycles Adam's beta1 between cycle_min_mom and "
+            "cycle_max_mom (true is DeepSpeed's default), but pretrain keeps optimizer.betas fixed: "
+            + _INSTEAD
+        )
+
+
+def _lr_range_test(r: Reading, a: dict[str, Any]) -> None:
+    """lr = min_lr x (1 + rate x step / step_size): lr_at's warmup over the whole run, exactly."""
+    rate, size = a["lr_range_test_step_rate"], a["lr_range_test_step_size"]
+    if a["lr_range_test_staircase"]:
+        r.problems.append(
+            "scheduler.params.lr_range_test_staircase: a staircase rise is not pretrain's linear warmup: "
+            + _INSTEAD
+        )
+    if rate < 0:
+        r.problems.append(
+            f"scheduler.params.lr_range_test_step_rate: {rate} lowers the LR; pretrain's warmup rises"
+        )
+    if size <= 0:
+        r.problems.append(f"scheduler.params.lr_range_test_step_size: must be positive, got {size}")
+    min_lr = r.current("optimizer", "lr") if a["lr_range_test_min_lr"] == AUTO else a["lr_range_test_min_lr"]
+    steps = r.current("schedule", "max_steps")
+    if rate < 0 or size <= 0 or a["lr_range_test_staircase"] or not (is_whole(steps) and is_number(min_lr)):
+        return
+    growth = 1 + rate * (steps - 1) / size
+    r.put("scheduler.params.lr_range_test_min_lr", "optimizer", "lr", min_lr * growth, replace=True)
+    r.put("scheduler.type", "schedule", "warmup_steps", steps - 1)
+    r.put("scheduler.type", "schedule", "warmup_start_ratio", 1 / growth)
+    r.put("scheduler.type", "schedule", "min_lr_ratio", 1.0)
+
+
+TRANSLATIONS = {
+    "WarmupLR": _warmup_lr,
+    "WarmupDecayLR": _warmup_decay_lr,
+    "WarmupCosineLR": _warmup_cosine_lr,
+    "OneCycle": _one_cycle,
+    "LRRangeTest": _lr_range_test,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed's own validators, for every section
+
+# Top-level scalars DeepSpeed reads (deepspeed/runtime/constants.py), with their types.
+_SCALARS: dict[str, Any] = {
+    "steps_per_print": int,
+    "wall_clock_breakdown": bool,
+    "prescale_gradients": bool,
+    "gradient_predivide_factor": float,
+    "sparse_gradients": bool,
+    "communication_data_type": str | None,
+    "seq_parallel_communication_data_type": str,
+    "zero_allow_untested_optimizer": bool,
+    "zero_force_ds_cpu_optimizer": bool,
+    "graph_harvesting": bool,
+    "disable_allgather": bool,
+    "dump_state": bool,
+    "memory_breakdown": bool,
+    "dataloader_drop_last": bool,
+    "use_data_before_expert_parallelism": bool,
+    "use_node_local_storage": bool,
+}
+
+# Sections read elsewhere: the record of a rendered JSON (ds_config.py), and the two translated here.
+_NOT_CHECKED = {"pretrain", "optimizer", "scheduler"}
+
+
+def _from_defaults(name: str, defaults: dict[str, Any]) -> type[BaseModel]:
+    """A pydantic model of a section DeepSpeed reads key by key, from its table of defaults."""
+    fields: Any = {k: (type(v) if v is not None else Any, v) for k, v in defaults.items()}
+    return create_model(name, __config__=ConfigDict(extra="forbid"), **fields)
+
+
+@cache
+def _deepspeed_models() -> dict[str, type[BaseModel]]:
+    """DeepSpeed's config model of each section: its pydantic models, or, for the sections it reads
+    key by key, models built from its tables of defaults."""
+    # DeepSpeed (and torch) only here: the CLI's light commands never import them.
+    from deepspeed.comm.config import CommsLoggerConfig
+    from deepspeed.compile.config import CompileConfig
+    from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
+    from deepspeed.profiling import constants as flops
+    from deepspeed.runtime.activation_checkpointing.config import ACT_CHKPT_DEFAULT
+    from deepspeed.runtime.config import HybridEngineConfig
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.swap_tensor.aio_config import AIO_DEFAULT_DICT
+    from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.utils.config import DeepSpeedThroughputTimerConfig
+
+    flops_defaults = {
+        getattr(flops, name): getattr(flops, f"{name}_DEFAULT")
+        for name in dir(flops)
+        if name.startswith("FLOPS_PROFILER_") and hasattr(flops, f"{name}_DEFAULT")
+    }
+    timers: Any = {"throughput": (DeepSpeedThroughputTimerConfig | None, None)}
+    return {
+        "zero_optimization": DeepSpeedZeroConfig,
+        "fp16": DeepSpeedFP16Config,
+        "bf16": DeepSpeedBF16Config,
+        "bfloat16": DeepSpeedBF16Config,
+        "tensorboard": TensorBoardConfig,
+        "csv_monitor": CSVConfig,
+        "wandb": WandbConfig,
+        "comet": CometConfig,
+        "comms_logger": CommsLoggerConfig,
+        "compile": CompileConfig,
+        "hybrid_engine": HybridEngineConfig,
+        "tensor_parallel": TPTrainingConfig,
+        "timers": create_model("timers", __config__=ConfigDict(extra="forbid"), **timers),
+        "activation_checkpointing": _from_defaults("activation_checkpointing", ACT_CHKPT_DEFAULT),
+        "flops_profiler": _from_defaults("flops_profiler", flops_defaults),
+        "aio": _from_defaults("aio", AIO_DEFAULT_DICT),
+    }
+
+
+def deepspeed_problems(ds: dict[str, Any]) -> list[str]:
+    """Every problem DeepSpeed's own validators find in the sections of a DeepSpeed JSON, with a
+    "did you mean" for a misspelt key. "auto" in a known key is left out: pretrain resolves it."""
+    from deepspeed.runtime import config  # its tables of removed keys, and why each went
+
+    models = _deepspeed_models()
+    removed = getattr(config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {})
+    removed_zero = getattr(config, "_REMOVED_ZERO_CONFIG_KEYS", {})
+    problems = [f"{key}: {removed[key]}" for key in ds if key in removed]
+    zero = ds.get("zero_optimization")
+    if isinstance(zero, dict):
+        problems += [f"zero_optimization.{key}: {removed_zero[key]}" for key in zero if key in removed_zero]
+    for key, value in ds.items():
+        if key in _NOT_CHECKED or key in removed or value == AUTO:
+            continue
+        if key in _SCALARS:
+            if problem := type_problem(value, _SCALARS[key]):
+                problems.append(f"{key}: {problem}")
+        elif not isinstance(value, dict) and (key in models or key in DEEPSPEED_PASSTHROUGH_KEYS):
+            problems.append(f"{key}: expected a mapping (a JSON object), got {shown(value)}")
+        elif key in models:
+            if key == "zero_optimization":
+                value = {k: v for k, v in value.items() if k not in removed_zero}  # said above
+            problems += _model_problems(models[key], _known_autos_out(models[key], value), key)
+    return problems
+
+
+def _known_autos_out(model: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
+    """`data` without the "auto" of known keys (pretrain resolves them). A misspelt key keeps a
+    value (DeepSpeed's models drop "auto" ones unseen), so that the validator names it."""
+    out = {}
+    for k, v in data.items():
+        info = _field(model, k)
+        sub = _model_of(info.annotation) if info is not None else None
+        if v == AUTO and info is not None:
+            continue
+        out[k] = (
+            _known_autos_out(sub, v) if sub is not None and isinstance(v, dict) else None if v == AUTO else v
+        )
+    return out
+
+
+def _model_problems(model: type[BaseModel], data: dict[str, Any], where: str) -> list[str]:
+    problems = _strict_problems(model, data, where)
+    seen = {p.split(": ")[0] for p in problems}
+    try:
+        model.model_validate(data)
+    except ValidationError as e:
+        for err in e.errors():
+            loc = [str(x) for x in err["loc"]]
+            at = ".".join([where, *loc])
+            if at in seen:
+                continue
+            if err["type"] == "extra_forbidden":
+                msg = f"unknown key{did_you_mean(loc[-1], _names(_model_at(model, loc[:-1])))}"
+            else:
+                msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+                if loc:
+                    msg += f" (got {shown(err['input'])})"
+            problems.append(f"{at}: {msg}")
+    except Exception as e:  # a DeepSpeed validator that raises something else: still one message
+        problems.append(f"{where}: DeepSpeed rejects it: {e}")
+    return problems
+
+
+def _strict_problems(model: type[BaseModel], data: dict[str, Any], where: str) -> list[str]:
+    """The values of the wrong JSON type, which pydantic's lax mode would take ("true", "2")."""
+    problems = []
+    for k, v in data.items():
+        info = _field(model, k)
+        if info is None:
+            continue  # unknown: pydantic says so
+        sub = _model_of(info.annotation)
+        if sub is not None and isinstance(v, dict):
+            problems += _strict_problems(sub, v, f"{where}.{k}")
+        elif problem := type_problem(v, info.annotation):
+            problems.append(f"{where}.{k}: {problem}")
+    return problems
+
+
+def _field(model: type[BaseModel], key: str) -> Any:
+    for name, info in model.model_fields.items():
+        if key in (name, info.alias):
+            return info
+    return None
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field holds (also when optional), or None."""
+    for a in (annotation, *get_args(annotation)):
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            return a
+    return None
+
+
+def _model_at(model: type[BaseModel] | None, loc: list[str]) -> type[BaseModel] | None:
+    for part in loc:
+        info = _field(model, part) if model is not None else None
+        model = _model_of(info.annotation) if info is not None else None
+    return model
+
+
+def _names(model: type[BaseModel] | None) -> list[str]:
+    if model is None:
+        return []
+    return [n for name, info in model.model_fields.items() for n in (name, info.alias) if n]
