@@ -1,11 +1,13 @@
 """`pretrain` command line: train, prepare, render, config, presets, checkpoints, cluster tools.
 
 Every command takes the same config arguments: `--preset`, `--config run.yaml`, `--ds ds.json`
-and any number of `--set key=value`, applied in that order and validated once.
+(or DeepSpeed's own `--deepspeed_config ds.json`) and any number of `--set key=value`, applied in
+that order and validated once.
 
 This module imports neither torch nor DeepSpeed: each command imports what it needs when it runs,
-so that `--help`, `config`, `hostfile` and `launch-env` answer at once (the launch scripts call
-them before every launch).
+so that `--help`, `hostfile` and `launch-env` answer at once (the launch scripts call them before
+every launch), and so does `config` without `--ds` (a DeepSpeed JSON is checked by DeepSpeed's own
+validators, which `config`, `render`, `train`, `plan` and `preflight` import).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from typing import Any
 from pretrain.config import RunConfig, to_yaml
 from pretrain.ds_config import check_with_deepspeed, render_deepspeed
 from pretrain.errors import ConfigError, DataError, PretrainError
+from pretrain.files import write_atomic
 from pretrain.launch import env_file_text, format_hostfile, launch_environment, read_hostfile, world_size
-from pretrain.presets import DS_CONFIG_RENDERS, PRESETS, build
+from pretrain.presets import DS_CONFIG_RENDERS, PRESETS, build, build_checked
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -32,7 +35,14 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         "--preset", choices=list(PRESETS), help="Starting point (default: tiny, or the config file's)."
     )
     g.add_argument("--config", metavar="FILE", help="Run config, YAML or JSON: a partial tree.")
-    g.add_argument("--ds", metavar="FILE", help="A DeepSpeed JSON, read back into the tree.")
+    g.add_argument(
+        "--ds",
+        "--deepspeed_config",
+        "--deepspeed",
+        dest="ds",
+        metavar="FILE",
+        help="A DeepSpeed JSON, read back into the tree (one rendered by pretrain also names the preset).",
+    )
     g.add_argument(
         "--set",
         dest="overrides",
@@ -43,8 +53,16 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _config(args: argparse.Namespace, world_size: int | None) -> RunConfig:
-    return build(args.preset, args.config, args.ds, args.overrides, world_size=world_size)
+def _config(args: argparse.Namespace, world_size: int | None, deepspeed: bool = True) -> RunConfig:
+    """The run's config from the command line. `deepspeed`: also check the --ds JSON with DeepSpeed's
+    own validators, which imports DeepSpeed (off for the commands that must answer at once)."""
+    given = {
+        "preset": args.preset,
+        "config_file": args.config,
+        "overrides": args.overrides,
+        "world_size": world_size,
+    }
+    return build_checked(args.ds, **given) if deepspeed else build(ds_file=args.ds, **given)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -107,14 +125,30 @@ def parser() -> argparse.ArgumentParser:
         "config_file", nargs="?", metavar="CONFIG", help="Run config file (as --config), or a preset name."
     )
     _add_config_args(p)
-    p.add_argument("--world-size", type=int, default=1, help="Data-parallel world size (default 1).")
+    p.add_argument("--world-size", type=int, help="Data-parallel world size (default 1, or the hostfile's).")
+    p.add_argument("--hostfile", help="Take the world size and ranks per node from this hostfile.")
     p.add_argument(
         "--device-gb", type=float, help="Memory of one rank's device in GB (default: this machine's)."
     )
+    p.add_argument("--host-gb", type=float, help="Host memory of one node in GB (default: this machine's).")
     p.add_argument(
         "--gpus-per-node", type=int, help="Ranks per node, for DeepSpeed's estimates (default: min(N, 8))."
     )
-    p.add_argument("--json", action="store_true", help="Print the memory plan as JSON.")
+    t = p.add_argument_group(
+        "step time (default: a previous run, preflight's figure, this machine, assumptions)"
+    )
+    t.add_argument("--device", help="The GPU, for its datasheet peak (e.g. A100, H100), or 'cpu'.")
+    t.add_argument("--peak-tflops", type=float, help="One rank's peak TFLOP/s.")
+    t.add_argument("--mfu", type=float, help="The fraction of the peak forward+backward reach.")
+    t.add_argument("--busbw", type=float, help="All-reduce bus bandwidth in GB/s (preflight measures it).")
+    t.add_argument(
+        "--from-run",
+        metavar="RUN_DIR",
+        action="append",
+        help="Take MFU and the optimizer's cost (on the device, or on the host if it offloaded) from a "
+        "previous run (repeatable: e.g. one run with offload, one without).",
+    )
+    p.add_argument("--json", action="store_true", help="Print the plan as JSON.")
 
     p = sub.add_parser("plot", help="Plot a run's metrics.csv (loss, LR, tokens/s) to a PNG.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="The run directory (logging.run_dir).")
@@ -136,6 +170,17 @@ def _add_launch_parsers(sub: Any) -> None:
     )
     p.add_argument("--master-port", type=int, default=29500, help="Rendezvous port (default 29500).")
     p.add_argument("--ssh-port", type=int, help="ssh port, as deepspeed --ssh_port.")
+    p.add_argument(
+        "--no-ssh",
+        action="store_true",
+        help="Check a launch without ssh, as deepspeed --no_ssh (launch/no_ssh.sh): this machine's hosts "
+        "are probed directly.",
+    )
+    p.add_argument(
+        "--no-ssh-check",
+        action="store_true",
+        help="As deepspeed --no_ssh_check: no ssh check of the first host.",
+    )
     p.add_argument(
         "--python", default=sys.executable, help="Interpreter on every host (default: this one's path)."
     )
@@ -349,7 +394,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from pretrain.dataset import load_manifest, summary  # numpy, tiktoken: per command, as above
     from pretrain.prepare import format_report, prepare
 
-    cfg = _config(args, None)
+    cfg = _config(args, None, deepspeed=False)
     data = cfg.data
     if args.source is not None or args.workers is not None:
         update = {
@@ -428,7 +473,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from pretrain.dataset import resolve_vocab, vocab_size  # tiktoken, torch: per command, as above
-    from pretrain.plan import default_device_gb, plan_json, render_plan
+    from pretrain.plan import Target, default_device_gb, host_memory_gb, plan_json, render_plan, resolve_rates
 
     if args.config_file in PRESETS and not Path(args.config_file).is_file():
         args.preset, args.config_file = args.preset or args.config_file, None  # `pretrain plan gpt2-124m`
@@ -436,16 +481,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.config:
             raise ConfigError(["pass the run config either as CONFIG or as --config, not both"], "plan")
         args.config = args.config_file
-    cfg = _config(args, args.world_size)
+    world, per_node = args.world_size or 1, args.gpus_per_node
+    if args.hostfile:
+        hosts = read_hostfile(args.hostfile)
+        if args.world_size not in (None, world_size(hosts)):
+            raise ConfigError(
+                [f"--world-size {args.world_size}, but {args.hostfile} has {world_size(hosts)} slots"], "plan"
+            )
+        world, per_node = world_size(hosts), per_node or max(hosts.values())
+    cfg = _config(args, world)
     vocab, vocab_src = vocab_size(cfg)
     cfg = resolve_vocab(cfg, vocab)
-    device_gb, device_src = default_device_gb(args.world_size)
-    if args.device_gb:
-        device_gb, device_src = args.device_gb, "--device-gb"
+    device_gb, device_src = (args.device_gb, "--device-gb") if args.device_gb else default_device_gb(world)
+    to = Target(world, per_node, device_gb, device_src, args.host_gb or host_memory_gb())
+    rates = resolve_rates(
+        cfg,
+        world,
+        per_node or min(world, 8),
+        device=args.device,
+        peak_tflops=args.peak_tflops,
+        mfu=args.mfu,
+        busbw_gbs=args.busbw,
+        from_runs=[Path(r) for r in args.from_run or []],
+    )
     if args.json:
-        print(json.dumps(plan_json(cfg, args.world_size, device_gb, args.gpus_per_node), indent=2))
+        print(json.dumps(plan_json(cfg, to, rates), indent=2))
         return 0
-    print(render_plan(cfg, args.world_size, device_gb, device_src, args.gpus_per_node))
+    print(render_plan(cfg, to, rates))
     print(f"(vocab {cfg.model.vocab_size} from {vocab_src})")
     return 0
 
@@ -470,6 +532,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         master_addr=args.master_addr,
         master_port=args.master_port,
         ssh_port=args.ssh_port,
+        no_ssh=args.no_ssh,
+        no_ssh_check=args.no_ssh_check,
         checksums=not args.no_checksums,
         allreduce=not args.no_allreduce,
         allreduce_mb=args.allreduce_mb,
@@ -477,11 +541,17 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     )
     report = preflight(cfg, opts)
     print(format_report(report), flush=True)
+    if report.allreduce:  # for `pretrain plan`'s communication time
+        from pretrain.plan import PREFLIGHT_FILE  # torch, which preflight has loaded already
+
+        cfg.run_dir().mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"hostfile": args.hostfile, "allreduce": report.allreduce}, indent=1) + "\n"
+        write_atomic(cfg.run_dir() / PREFLIGHT_FILE, text)
     return 1 if report.problems else 0
 
 
 def cmd_launch_env(args: argparse.Namespace) -> int:
-    text = env_file_text(launch_environment(_config(args, None).launch))
+    text = env_file_text(launch_environment(_config(args, None, deepspeed=False).launch))
     if args.output:
         Path(args.output).write_text(text)
     else:

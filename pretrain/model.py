@@ -179,19 +179,8 @@ class GPT(nn.Module):
         return n
 
     def flops_per_token(self) -> int:
-        """Training FLOPs (forward + backward) per token, in the PaLM convention (appendix B), as
-        nanoGPT's estimate_mfu uses it: 6*N + 12*L*n_head*head_dim*T.
-
-        N is every parameter except the position embedding: each weight costs a multiply and an add
-        forward and twice that backward. The tied wte weight stays in N as the lm_head matmul (the
-        embedding lookup itself is free). The second term is the attention scores and their weighted
-        sum over the full T x T matrix, causal mask ignored. Computed from the config, not the
-        parameters, so it holds wherever the parameters live.
-        """
-        cfg = self.cfg
-        n = analytic_num_params(cfg) - (cfg.block_size * cfg.n_embd if cfg.position == "learned" else 0)
-        head_dim = cfg.n_embd // cfg.n_head
-        return 6 * n + 12 * cfg.n_layer * cfg.n_head * head_dim * cfg.block_size
+        """Training FLOPs per token: `analytic_flops_per_token` of this model's config."""
+        return analytic_flops_per_token(self.cfg)
 
     def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
         """AdamW groups: decay the 2-D weights of Linear layers; not biases, LayerNorms or embeddings.
@@ -249,3 +238,18 @@ def analytic_num_params(cfg: ModelConfig) -> int:
         + L * block  # transformer blocks
         + layer_norm  # ln_f
     )
+
+
+def analytic_flops_per_token(cfg: ModelConfig) -> int:
+    """Training FLOPs (forward + backward) per token, in the PaLM convention (appendix B), as
+    nanoGPT's estimate_mfu uses it: 6*N + 12*L*n_head*head_dim*T.
+
+    N is every parameter except the position embedding: each weight costs a multiply and an add
+    forward and twice that backward. The tied wte weight stays in N as the lm_head matmul (the
+    embedding lookup itself is free). The second term is the attention scores and their weighted
+    sum over the full T x T matrix, causal mask ignored. Computed from the config, not the
+    parameters, so it holds wherever the parameters live.
+    """
+    n = analytic_num_params(cfg) - (cfg.block_size * cfg.n_embd if cfg.position == "learned" else 0)
+    head_dim = cfg.n_embd // cfg.n_head
+    return 6 * n + 12 * cfg.n_layer * cfg.n_head * head_dim * cfg.block_size

@@ -24,22 +24,48 @@ Communication per step (the paper, section 7) is 2 Ψ elements for stages 0-2 (a
 scatter + all-gather) and 3 Ψ for stage 3 (parameters all-gathered in forward and in backward,
 gradients reduce-scattered). With gradient accumulation stage 2 reduces gradients at every micro
 step, and stage 3 gathers and reduces at every micro step.
+
+Step time (`predict_step`) adds three parts, per rank:
+- compute: the FLOPs of the rank's tokens (6N + attention, `analytic_flops_per_token`, and the
+  forward again under activation checkpointing) over the device's peak times the fraction of it
+  forward and backward reach;
+- communication left exposed: the bytes above over the all-reduce bus bandwidth (nccl-tests'
+  convention: an all-reduce of X bytes on N ranks takes 2X (N-1)/N / busbw), less what overlaps
+  with compute. DeepSpeed all-reduces after backward at stages 0 and 1 (no overlap); with
+  `overlap_comm` stage 2 reduces buckets during backward (two thirds of compute) and stage 3
+  prefetches parameters during forward and backward (all of it);
+- the optimizer step over the rank's partition (all parameters at stage 0, 1/N from stage 1), at a
+  per-parameter cost on the device, or on the host under optimizer offload.
+The rates come from flags, from a previous run's metrics (`--from-run`: its forward/backward and
+optimizer phase times, less the communication predicted for its own config), or from preflight's
+measured bus bandwidth; otherwise from stated assumptions.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pretrain.config import RunConfig
+from pretrain.config import ModelConfig, RunConfig, load_file, validate
 from pretrain.ds_config import render_deepspeed
-from pretrain.model import analytic_num_params
+from pretrain.errors import ConfigError, DataError
+from pretrain.metrics import GPU_PEAK_TFLOPS, cpu_peak_tflops, gpu_peak_tflops, read_csv
+from pretrain.model import analytic_flops_per_token, analytic_num_params
 
 GB = 1e9
+# (stage, offload_optimizer, offload_param): every stage, with and without offload.
+VARIANTS = [(0, False, False)] + [
+    (s, off, par)
+    for s in (1, 2, 3)
+    for off, par in ((False, False), (True, False), (True, True))
+    if s == 3 or not par
+]
 
 
 @dataclass
@@ -58,6 +84,18 @@ class StagePlan:
     ds_host_gb: float | None  # per node, as DeepSpeed estimates host memory
     comm_gb_per_step: float  # per rank, as in the paper (elements x bytes, no (N-1)/N factor)
     fits: bool | None
+    host_fits: bool | None  # the offloaded states of a node's ranks in its host memory
+
+
+@dataclass
+class Target:
+    """What a plan is for: the ranks, and the memory of a rank's device and of a node's host."""
+
+    world: int
+    ranks_per_node: int | None = None  # default: min(world, 8)
+    device_gb: float | None = None
+    device_src: str = ""
+    host_gb: float | None = None
 
 
 def bytes_per_param(precision: str, stage: int) -> tuple[int, int, int]:
@@ -138,6 +176,204 @@ def comm_elements(n_params: int, stage: int, grad_accum: int) -> float:
     return 3 * psi * grad_accum
 
 
+# ---------------------------------------------------------------------------------------------
+# Step time
+
+
+@dataclass
+class Rates:
+    """What a step's time is predicted from, each with where it came from."""
+
+    peak_tflops: float  # one rank's device peak, TFLOP/s
+    mfu: float  # the fraction of the peak that forward + backward reach
+    busbw: float  # all-reduce bus bandwidth, bytes/s
+    optimizer_s_per_param: float  # an optimizer step on the device, seconds per parameter
+    host_optimizer_s_per_param: float  # the same on the host, under optimizer offload
+    sources: dict[str, str]
+
+
+@dataclass
+class StepTime:
+    stage: int
+    offload: str
+    compute_s: float
+    comm_s: float  # all of the step's communication
+    exposed_comm_s: float  # what compute does not hide
+    optimizer_s: float
+    step_s: float
+    tokens_per_s: float  # all ranks
+    days: float  # to train schedule.max_steps steps
+
+
+def hardware_flops_per_token(m: ModelConfig) -> float:
+    """The FLOPs a token costs the device: the model's, plus the forward pass again for the blocks
+    that activation checkpointing recomputes in backward (2N of the 6N)."""
+    return analytic_flops_per_token(m) * (4 / 3 if m.activation_checkpointing else 1.0)
+
+
+def elem_bytes(precision: str) -> int:
+    """Bytes of a communicated gradient or parameter element."""
+    return 2 if precision in ("bf16", "fp16") else 4
+
+
+def predict_step(
+    cfg: RunConfig, world: int, stage: int, offload_optimizer: bool, offload_param: bool, rates: Rates
+) -> StepTime:
+    """One optimizer step of `cfg` at this stage and offload, on `world` ranks."""
+    m, b = cfg.model, cfg.batch
+    n = analytic_num_params(m)
+    tokens = b.micro_batch_size * b.gradient_accumulation_steps * m.block_size  # per rank
+    compute = hardware_flops_per_token(m) * tokens / (rates.peak_tflops * 1e12 * rates.mfu)
+    comm = comm_seconds(n, stage, b.gradient_accumulation_steps, cfg.precision.name, world, rates.busbw)
+    window = 0.0
+    if cfg.zero.overlap_comm:
+        window = {2: 2 / 3 * compute, 3: compute}.get(stage, 0.0)
+    exposed = max(0.0, comm - window)
+    partition = n if stage == 0 else n / world
+    per_param = rates.host_optimizer_s_per_param if offload_optimizer else rates.optimizer_s_per_param
+    optimizer = partition * per_param
+    step = compute + exposed + optimizer
+    return StepTime(
+        stage=stage,
+        offload="optimizer+params" if offload_param else "optimizer" if offload_optimizer else "none",
+        compute_s=compute,
+        comm_s=comm,
+        exposed_comm_s=exposed,
+        optimizer_s=optimizer,
+        step_s=step,
+        tokens_per_s=tokens * world / step,
+        days=step * cfg.schedule.max_steps / 86400,
+    )
+
+
+def comm_seconds(
+    n_params: int, stage: int, grad_accum: int, precision: str, world: int, busbw: float
+) -> float:
+    """A step's communication at `busbw`: the ZeRO paper's bytes (an all-reduce of X counted as
+    2X) times (N-1)/N, as a ring moves them."""
+    if world <= 1:
+        return 0.0
+    return comm_elements(n_params, stage, grad_accum) * elem_bytes(precision) * (world - 1) / world / busbw
+
+
+# Assumed when neither a flag, a previous run nor preflight gives them.
+ASSUMED_MFU = 0.4
+ASSUMED_BUSBW = {"cuda": 100e9, "cuda-multinode": 20e9, "cpu": 1e9}  # bytes/s: NVLink, IB, gloo on loopback
+ASSUMED_OPTIMIZER_S = {"cuda": 2e-11, "cpu": 2e-9}  # per parameter: 32 bytes at 1.6 TB/s; a CPU core
+ASSUMED_HOST_OPTIMIZER_S = 1e-9  # DeepSpeedCPUAdam per parameter, a few cores per rank
+PREFLIGHT_FILE = "preflight.json"  # where `pretrain preflight` leaves its all-reduce, in the run dir
+
+
+def resolve_rates(
+    cfg: RunConfig,
+    world: int,
+    ranks_per_node: int,
+    device: str | None = None,
+    peak_tflops: float | None = None,
+    mfu: float | None = None,
+    busbw_gbs: float | None = None,
+    from_runs: list[Path] | None = None,
+) -> Rates:
+    """The rates for `predict_step`: flags first, then a previous run's measurements, preflight's
+    bus bandwidth, this machine's device; assumptions last, each source named."""
+    src: dict[str, str] = {}
+    kind = "cpu" if device == "cpu" or (device is None and not torch.cuda.is_available()) else "cuda"
+    if peak_tflops is not None:
+        peak, src["peak"] = peak_tflops, "--peak-tflops"
+    elif device not in (None, "cpu"):
+        table = gpu_peak_tflops(str(device), cfg.precision.name)
+        if table is None:
+            raise ConfigError(
+                [f"--device {device}: not in the peak table ({', '.join(GPU_PEAK_TFLOPS)})"], "plan"
+            )
+        peak, src["peak"] = table, f"{device} datasheet"
+    elif cfg.logging.peak_tflops is not None:
+        peak, src["peak"] = cfg.logging.peak_tflops, "logging.peak_tflops"
+    else:
+        peak, src["peak"] = _local_peak(cfg, ranks_per_node)
+    multinode = world > ranks_per_node
+    busbw, src["busbw"] = _busbw(cfg, world, kind, multinode, busbw_gbs)
+    rates = Rates(
+        peak_tflops=peak,
+        mfu=ASSUMED_MFU,
+        busbw=busbw,
+        optimizer_s_per_param=ASSUMED_OPTIMIZER_S[kind],
+        host_optimizer_s_per_param=ASSUMED_HOST_OPTIMIZER_S,
+        sources=src,
+    )
+    src["mfu"] = src["optimizer"] = "assumed"
+    mfus = [_calibrate(rates, run_dir) for run_dir in from_runs or []]  # and each the optimizer where it ran
+    if mfus:
+        rates.mfu = statistics.fmean(mfus)
+        rates.sources["mfu"] = "; ".join(f"{r}: forward+backward" for r in from_runs or [])
+    if mfu is not None:
+        rates.mfu, src["mfu"] = mfu, "--mfu"
+    return rates
+
+
+def _local_peak(cfg: RunConfig, ranks_per_node: int) -> tuple[float, str]:
+    """This machine's device peak for one of `ranks_per_node` ranks (they share a CPU's cores)."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        peak = gpu_peak_tflops(name, cfg.precision.name)
+        if peak is None:
+            raise ConfigError(
+                [f"{name}: unknown peak; pass --peak-tflops or set logging.peak_tflops"], "plan"
+            )
+        return peak, f"{name} datasheet"
+    threads = torch.get_num_threads()
+    share = max(1, (os.cpu_count() or 1) // ranks_per_node)
+    torch.set_num_threads(share)
+    try:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.name, torch.float32)
+        return cpu_peak_tflops(dtype), f"CPU matmul probe, {share} threads a rank"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _busbw(cfg: RunConfig, world: int, kind: str, multinode: bool, given: float | None) -> tuple[float, str]:
+    if given is not None:
+        return given * 1e9, "--busbw"
+    path = cfg.run_dir() / PREFLIGHT_FILE
+    try:
+        measured = json.loads(path.read_text())["allreduce"]
+        return float(measured["busbw"]), f"{path}: {measured['world']}-rank all-reduce, {measured['backend']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    key = "cuda-multinode" if kind == "cuda" and multinode else kind
+    return ASSUMED_BUSBW[key], "assumed (run `pretrain preflight` to measure it)"
+
+
+def _calibrate(rates: Rates, run_dir: Path) -> float:
+    """The MFU of a previous run's forward+backward, and (set in `rates`) its optimizer's cost a
+    parameter, from its phase times (medians past its first logged step), on the same peak and bus
+    bandwidth as the prediction."""
+    try:
+        run = validate(load_file(run_dir / "config.yaml"))
+        rows = [r for r in read_csv(run_dir / "metrics.csv") if r.get("fwd_bwd_s") and r.get("optimizer_s")]
+    except (ConfigError, DataError, OSError, ValueError) as e:
+        raise ConfigError([f"--from-run {run_dir}: not a finished run's directory ({e})"], "plan") from None
+    if len(rows) < 2:
+        raise ConfigError([f"--from-run {run_dir}: fewer than 2 logged steps with phase times"], "plan")
+    rows = rows[1:]  # the first interval holds the warm-up
+    fwd_bwd = statistics.median(float(r["fwd_bwd_s"] or 0.0) for r in rows)
+    optimizer = statistics.median(float(r["optimizer_s"] or 0.0) for r in rows)
+    m, b, z = run.model, run.batch, run.zero
+    world = b.data_parallel_size or 1
+    n = analytic_num_params(m)
+    comm = comm_seconds(n, z.stage, b.gradient_accumulation_steps, run.precision.name, world, rates.busbw)
+    exposed = comm if z.stage < 2 or not z.overlap_comm else 0.0  # inside backward, or hidden by it
+    compute = max(fwd_bwd - exposed, 1e-9)
+    tokens = b.micro_batch_size * b.gradient_accumulation_steps * m.block_size
+    per_param = optimizer / (n if z.stage == 0 else n / world)
+    if z.offload_optimizer:
+        rates.host_optimizer_s_per_param = per_param
+    else:
+        rates.optimizer_s_per_param = per_param
+    rates.sources["optimizer"] = f"{run_dir}: optimizer {optimizer * 1e3:.1f} ms a step"
+    return hardware_flops_per_token(m) * tokens / compute / (rates.peak_tflops * 1e12)
+
+
 def deepspeed_estimate(
     n_params: int,
     largest: int,
@@ -175,7 +411,11 @@ def deepspeed_estimate(
 
 
 def plan_stages(
-    cfg: RunConfig, world: int, device_gb: float | None, gpus_per_node: int | None = None
+    cfg: RunConfig,
+    world: int,
+    device_gb: float | None,
+    gpus_per_node: int | None = None,
+    host_gb: float | None = None,
 ) -> list[StagePlan]:
     """Every stage with and without offload, for this config's model, batch and precision."""
     n = analytic_num_params(cfg.model)
@@ -183,13 +423,7 @@ def plan_stages(
     precision = cfg.precision.name
     act = activation_bytes(cfg)
     out = []
-    variants = [(0, False, False)] + [
-        (s, off, par)
-        for s in (1, 2, 3)
-        for off, par in ((False, False), (True, False), (True, True))
-        if s == 3 or not par
-    ]
-    for stage, off, par in variants:
+    for stage, off, par in VARIANTS:
         params, grads, optim, host = model_states(n, stage, world, precision, off, par)
         working = working_bytes(cfg, n, stage, world)
         states = params + grads + optim
@@ -215,6 +449,7 @@ def plan_stages(
                 * (2 if precision in ("bf16", "fp16") else 4)
                 / GB,
                 fits=None if device_gb is None else total / GB <= device_gb,
+                host_fits=None if host_gb is None else host * min(world, gpus_per_node or 8) / GB <= host_gb,
             )
         )
     return out
@@ -225,14 +460,21 @@ def default_device_gb(world: int) -> tuple[float | None, str]:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return props.total_memory / GB, f"{props.name}"
+    total = host_memory_gb()
+    if total is None:
+        return None, "unknown (pass --device-gb)"
+    return total / world, f"host RAM {total:.1f} GB / {world} CPU ranks"
+
+
+def host_memory_gb() -> float | None:
+    """This machine's RAM."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
-                total = int(line.split()[1]) * 1024 / GB
-                return total / world, f"host RAM {total:.1f} GB / {world} CPU ranks"
+                return int(line.split()[1]) * 1024 / GB
     except OSError:
         pass
-    return None, "unknown (pass --device-gb)"
+    return None
 
 
 def _gb(x: float | None) -> str:
@@ -241,9 +483,8 @@ def _gb(x: float | None) -> str:
     return f"{x:.3f}" if x < 10 else f"{x:.1f}"
 
 
-def render_plan(
-    cfg: RunConfig, world: int, device_gb: float | None, device_src: str, gpus_per_node: int | None
-) -> str:
+def render_plan(cfg: RunConfig, to: Target, rates: Rates | None = None) -> str:
+    world, device_gb = to.world, to.device_gb
     b, m = cfg.batch, cfg.model
     n = analytic_num_params(m)
     tbs = b.train_batch_size or 0
@@ -258,40 +499,84 @@ def render_plan(
         "DeepSpeed JSON (rendered):",
         json.dumps(render_deepspeed(cfg), indent=2),
         "",
-        f"Memory per rank in GB, world size {world}; device memory {_gb(device_gb)} GB ({device_src}).",
+        f"Memory per rank in GB, world size {world}; device memory {_gb(device_gb)} GB ({to.device_src}); "
+        f"host memory {_gb(to.host_gb)} GB a node.",
         "Model states by the ZeRO paper (see `pretrain/plan.py`); DeepSpeed's estimate assumes 16-bit "
         "training (2 + 18 bytes/param), gives host memory per node, and does not model stage 0.",
     ]
     header = (
         "stage  offload            params  grads  optim   host | states  activ  work | device total"
-        " | DS device  DS host/node | comm/step | fits"
+        " | DS device  DS host/node | comm/step | fits | host fits"
     )
     lines += [header, "-" * len(header)]
     chosen = (cfg.zero.stage, cfg.zero.offload_optimizer, cfg.zero.offload_param)
-    for p in plan_stages(cfg, world, device_gb, gpus_per_node):
+    for p in plan_stages(cfg, world, device_gb, to.ranks_per_node, to.host_gb):
         mark = "*" if (p.stage, p.offload != "none", p.offload == "optimizer+params") == chosen else " "
         lines.append(
             f"{mark}{p.stage:<5} {p.offload:<17} {_gb(p.params_gb):>7} {_gb(p.grads_gb):>6} "
             f"{_gb(p.optimizer_gb):>6} {_gb(p.host_gb):>6} | {_gb(p.model_states_gb):>6} "
             f"{_gb(p.activations_gb):>6} {_gb(p.working_gb):>5} | {_gb(p.device_total_gb):>12} | "
             f"{_gb(p.ds_device_gb):>9} {_gb(p.ds_host_gb):>13} | {_gb(p.comm_gb_per_step):>9} | "
-            f"{'-' if p.fits is None else 'yes' if p.fits else 'NO'}"
+            f"{_yes(p.fits):>4} | {_yes(p.host_fits)}"
         )
     lines += [
         "* this config. activ: activations of one micro batch "
         f"({'with' if m.activation_checkpointing else 'without'} activation checkpointing). work: DeepSpeed's "
         "gradient reduction buffers (and stage 3's gathered largest layer). comm: what each rank sends per optimizer step (2Ψ stages 0-2, 3Ψ "
-        "stage 3, per micro step where the stage reduces each one)."
+        "stage 3, per micro step where the stage reduces each one). host fits: the offloaded states of "
+        "a node's ranks in its host memory."
     ]
+    if rates is not None:
+        lines += ["", *render_times(cfg, world, rates)]
     return "\n".join(lines)
 
 
-def plan_json(
-    cfg: RunConfig, world: int, device_gb: float | None, gpus_per_node: int | None = None
-) -> dict[str, Any]:
-    return {
+def _yes(x: bool | None) -> str:
+    return "-" if x is None else "yes" if x else "NO"
+
+
+def step_times(cfg: RunConfig, world: int, rates: Rates) -> list[StepTime]:
+    """`predict_step` for every stage and offload that `plan_stages` lists."""
+    return [predict_step(cfg, world, stage, off, par, rates) for stage, off, par in VARIANTS]
+
+
+def render_times(cfg: RunConfig, world: int, rates: Rates) -> list[str]:
+    m, b = cfg.model, cfg.batch
+    total_tokens = (b.train_batch_size or 0) * m.block_size * cfg.schedule.max_steps
+    src = rates.sources
+    lines = [
+        f"Time per step, world size {world}: peak {rates.peak_tflops:.3g} TFLOP/s a rank ({src['peak']}); "
+        f"MFU of forward+backward {rates.mfu:.2f} ({src['mfu']}); all-reduce bus bandwidth "
+        f"{rates.busbw / 1e9:.3g} GB/s ({src['busbw']}); optimizer {rates.optimizer_s_per_param * 1e9:.3g} ns "
+        f"a parameter, {rates.host_optimizer_s_per_param * 1e9:.3g} on the host ({src['optimizer']}).",
+    ]
+    header = "ZeRO    offload            compute   comm  exposed  optimizer |   step s |    tokens/s | days"
+    lines += [header, "-" * len(header)]
+    chosen = (cfg.zero.stage, cfg.zero.offload_optimizer, cfg.zero.offload_param)
+    for t in step_times(cfg, world, rates):
+        mark = "*" if (t.stage, t.offload != "none", t.offload == "optimizer+params") == chosen else " "
+        lines.append(
+            f"{mark}ZeRO-{t.stage:<2} {t.offload:<17} {t.compute_s:>8.3g} {t.comm_s:>6.3g} {t.exposed_comm_s:>8.3g} "
+            f"{t.optimizer_s:>10.3g} | {t.step_s:>8.3g} | {t.tokens_per_s:>11,.0f} | {t.days:.3g}"
+        )
+    lines.append(
+        f"days: to train schedule.max_steps = {cfg.schedule.max_steps:,} steps ({total_tokens:,} tokens). "
+        "Seconds per optimizer step; exposed: the communication compute does not hide."
+    )
+    return lines
+
+
+def plan_json(cfg: RunConfig, to: Target, rates: Rates | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "params": analytic_num_params(cfg.model),
-        "world_size": world,
-        "device_gb": device_gb,
-        "stages": [asdict(p) for p in plan_stages(cfg, world, device_gb, gpus_per_node)],
+        "world_size": to.world,
+        "device_gb": to.device_gb,
+        "host_gb": to.host_gb,
+        "stages": [
+            asdict(p) for p in plan_stages(cfg, to.world, to.device_gb, to.ranks_per_node, to.host_gb)
+        ],
     }
+    if rates is not None:
+        out["rates"] = asdict(rates)
+        out["step_times"] = [asdict(t) for t in step_times(cfg, to.world, rates)]
+    return out

@@ -1,4 +1,5 @@
-"""`pretrain plan`: the ZeRO paper's memory and communication formulas, and the command."""
+"""`pretrain plan`: the ZeRO paper's memory and communication formulas, the step-time model, and the
+command."""
 
 from __future__ import annotations
 
@@ -6,14 +7,19 @@ import json
 
 import pytest
 
-from pretrain.model import analytic_num_params
+from pretrain.config import to_yaml
+from pretrain.errors import ConfigError
+from pretrain.model import analytic_flops_per_token, analytic_num_params
 from pretrain.plan import (
+    Rates,
     activation_bytes,
     comm_elements,
     deepspeed_estimate,
     largest_layer_params,
     model_states,
     plan_stages,
+    predict_step,
+    resolve_rates,
 )
 from pretrain.presets import build
 
@@ -112,3 +118,103 @@ def test_plan_command(tmp_path, capsys):
     plan = json.loads(run_plan(capsys, "gpt2-124m", "--world-size", "16", "--json"))
     assert plan["world_size"] == 16 and len(plan["stages"]) == 8
     assert "= 144 sequences" in run_plan(capsys, "gpt2-124m", "--world-size", "3")  # the batch follows N
+
+
+def rates(**kw: float) -> Rates:
+    base = dict(
+        peak_tflops=100.0, mfu=0.5, busbw=10e9, optimizer_s_per_param=1e-10, host_optimizer_s_per_param=1e-9
+    )
+    return Rates(**{**base, **kw}, sources={})  # type: ignore[arg-type]
+
+
+def test_step_time_adds_compute_exposed_communication_and_the_optimizer():
+    cfg = build("gpt2-124m", overrides=["model.vocab_size=50304"], world_size=16)
+    m, b = cfg.model, cfg.batch
+    n = analytic_num_params(m)
+    tokens = b.micro_batch_size * b.gradient_accumulation_steps * m.block_size
+    compute = analytic_flops_per_token(m) * tokens / (100e12 * 0.5)
+    t0 = predict_step(cfg, 16, 0, False, False, rates())
+    assert t0.compute_s == pytest.approx(compute)
+    # stage 0: an all-reduce of 2Ψ fp32... in bf16 here: 2 bytes, ring factor (N-1)/N, after backward
+    assert t0.comm_s == pytest.approx(2 * n * 2 * 15 / 16 / 10e9) and t0.exposed_comm_s == t0.comm_s
+    assert t0.optimizer_s == pytest.approx(n * 1e-10)  # every parameter on every rank
+    assert t0.step_s == pytest.approx(t0.compute_s + t0.comm_s + t0.optimizer_s)
+    assert t0.days == pytest.approx(t0.step_s * cfg.schedule.max_steps / 86400)
+    assert t0.tokens_per_s == pytest.approx(tokens * 16 / t0.step_s)
+    t2 = predict_step(cfg, 16, 2, False, False, rates())
+    assert t2.exposed_comm_s == 0.0  # hidden by backward at this bandwidth
+    assert t2.optimizer_s == pytest.approx(n / 16 * 1e-10)  # the partition only
+    slow = predict_step(cfg, 16, 2, False, False, rates(busbw=1e6))
+    assert slow.exposed_comm_s == pytest.approx(slow.comm_s - 2 / 3 * slow.compute_s)
+    off = predict_step(cfg, 16, 2, True, False, rates())
+    assert off.optimizer_s == pytest.approx(n / 16 * 1e-9) and off.offload == "optimizer"
+    assert predict_step(cfg, 1, 0, False, False, rates()).comm_s == 0.0  # one rank: nothing to reduce
+
+
+def test_rates_from_a_previous_run(tmp_path):
+    cfg = build("small", overrides=["model.vocab_size=65", "zero.stage=0"], world_size=2)
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    header = "step,loss,fwd_bwd_s,optimizer_s,step_time_s\n"
+    (tmp_path / "metrics.csv").write_text(
+        header + "1,4.0,9.0,9.0,20\n2,3.9,2.0,0.02,2.1\n3,3.8,2.2,0.02,2.3\n"
+    )
+    r = resolve_rates(cfg, 2, 2, device="cpu", peak_tflops=0.1, busbw_gbs=1.0, from_runs=[tmp_path])
+    n = analytic_num_params(cfg.model)
+    comm = 2 * n * 4 * (1 / 2) / 1e9  # stage 0, fp32, 2 ranks: exposed inside the measured backward
+    tokens = 32 * 256
+    assert r.mfu == pytest.approx(analytic_flops_per_token(cfg.model) * tokens / (2.1 - comm) / 0.1e12)
+    assert r.optimizer_s_per_param == pytest.approx(0.02 / n)  # stage 0: every parameter
+    assert "fwd" not in r.sources["mfu"] and str(tmp_path) in r.sources["mfu"]
+    assert r.sources["busbw"] == "--busbw" and r.sources["peak"] == "--peak-tflops"
+    # the prediction for the run's own config gives back its measured step (first row skipped)
+    assert predict_step(cfg, 2, 0, False, False, r).step_s == pytest.approx(2.1 + 0.02, rel=1e-6)
+    with pytest.raises(ConfigError, match="not a finished run's directory"):
+        resolve_rates(cfg, 2, 2, device="cpu", peak_tflops=0.1, from_runs=[tmp_path / "nothing"])
+    with pytest.raises(ConfigError, match="--device B200: not in the peak table"):
+        resolve_rates(cfg, 2, 2, device="B200")
+
+
+def test_plan_takes_the_hostfile_and_prints_step_times(tmp_path, capsys):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-1 slots=8\nnode-2 slots=8\n")
+    text = run_plan(capsys, "gpt-6.7b", "--hostfile", str(hostfile), "--device", "A100", "--device-gb", "80",
+                    "--host-gb", "1000", "--mfu", "0.45", "--busbw", "25")  # fmt: skip
+    assert "micro 4 x accumulation 8 x data-parallel 16 = 512 sequences per step" in text
+    assert "peak 312 TFLOP/s a rank (A100 datasheet); MFU of forward+backward 0.45 (--mfu)" in text
+    assert "all-reduce bus bandwidth 25 GB/s (--busbw)" in text
+    times = [line for line in text.split("Time per step")[1].splitlines() if "ZeRO-2 " in line]
+    assert len(times) == 2 and times[1].startswith("*ZeRO-2  optimizer")  # this config's row
+    assert "days: to train schedule.max_steps = 143,000 steps" in text
+    plan = json.loads(run_plan(capsys, "gpt-6.7b", "--hostfile", str(hostfile), "--device", "A100", "--json"))
+    assert plan["world_size"] == 16 and len(plan["step_times"]) == 8 and plan["rates"]["mfu"] == 0.4
+    # host memory judged under offload: 8 ranks' CPU Adam state (6.7 GB each) does not fit in 40 GB
+    small_host = run_plan(
+        capsys, "gpt-6.7b", "--hostfile", str(hostfile), "--device", "A100", "--host-gb", "40"
+    )
+    row = next(line for line in small_host.splitlines() if line.startswith("*2"))
+    assert row.rstrip().endswith("| NO")
+
+
+@pytest.mark.distributed
+def test_plan_reads_the_bus_bandwidth_preflight_measured(char_dataset, tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, TINY_SHAKESPEARE, subprocess_env
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    sets = [f"--set=data.corpus={TINY_SHAKESPEARE}", f"--set=data.dataset_dir={char_dataset}",
+            f"--set=logging.run_dir={tmp_path / 'run'}"]  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "pretrain", "preflight", "--hostfile", str(hostfile), "--master-port", "29583", *sets],
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    measured = json.loads((tmp_path / "run" / "preflight.json").read_text())["allreduce"]
+    assert measured["world"] == 2 and measured["backend"] == "gloo" and measured["busbw"] > 0
+    text = run_plan(capsys, "--hostfile", str(hostfile), *sets)
+    assert (
+        f"all-reduce bus bandwidth {measured['busbw'] / 1e9:.3g} GB/s ({tmp_path / 'run'}/preflight.json"
+        in text
+    )
