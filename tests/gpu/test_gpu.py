@@ -3,7 +3,9 @@
 - a 1-rank run through the deepspeed launcher picks NCCL and the device of its LOCAL_RANK, in bf16
   at ZeRO-2 (and, with 2+ GPUs, a 2-rank run gives per-step losses within bf16 noise of it);
 - preflight on localhost reports CUDA and NCCL versions and an NCCL all-reduce's bus bandwidth;
-- benchmarks/gpu_check.sh (GPT-2 124M, bf16, ZeRO-2) prints tokens/s, MFU and peak memory.
+- benchmarks/gpu_check.sh (GPT-2 124M, bf16, ZeRO-2) prints tokens/s, MFU and peak memory;
+- setup.sh has built DeepSpeed's FusedAdam and CPUAdam into DeepSpeed (no JIT build on first use),
+  and preflight reports them installed.
 """
 
 from __future__ import annotations
@@ -94,3 +96,23 @@ def test_gpu_check_benchmark(tmp_path):
     for needle in ["tokens/s", "MFU", "peak memory"]:
         assert needle in out.stdout
     assert Path(tmp_path / "run" / "metrics.csv").is_file()
+
+
+def test_setup_built_the_deepspeed_ops_the_presets_use(tmp_path):
+    """After ./setup.sh under a CUDA torch (PRETRAIN_BUILD_OPS not 0): FusedAdam and CPUAdam are
+    prebuilt, so no rank of any run compiles them, and preflight says so."""
+    out = subprocess.run(
+        [sys.executable, "-c", "from deepspeed.git_version_info import installed_ops as o; "
+         "print(o.get('fused_adam'), o.get('cpu_adam'))"],
+        env=gpu_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.stdout.split() == ["True", "True"], "run ./setup.sh (it builds them)\n" + out.stderr[-2000:]
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "pretrain", "preflight", "--hostfile", str(hostfile), "--no-allreduce",
+         "--preset", "gpt2-124m", "--set", "zero.offload_optimizer=true", "--set", "zero.stage=2",
+         f"--set=logging.run_dir={tmp_path / 'run'}"],
+        cwd=ROOT, env=gpu_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert "cpu_adam:installed" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
