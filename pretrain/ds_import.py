@@ -37,6 +37,17 @@ def shown(value: Any) -> str:
     return f"{text} (a string)" if isinstance(value, str) else text
 
 
+def not_a_mapping(where: str, value: Any) -> str:
+    """The problem with a section given as a scalar, with the likely fix (`"zero_optimization": 2`
+    meant `{"stage": 2}`; `"fp16": true` meant `{"enabled": true}`)."""
+    fix = ""
+    if where == "zero_optimization" and value in (0, 1, 2, 3) and not isinstance(value, bool):
+        fix = f': write "zero_optimization": {{"stage": {value}}}'
+    elif where in ("fp16", "bf16") and isinstance(value, bool):
+        fix = f': write "{where}": {{"enabled": {json.dumps(value)}}}'
+    return f"{where}: expected a mapping (a JSON object), got {shown(value)}{fix}"
+
+
 def is_whole(value: Any) -> bool:
     if isinstance(value, bool):
         return False
@@ -163,7 +174,7 @@ class Reading:
         """A section of the JSON, which must be a mapping; {} (and a problem) if it is not."""
         if isinstance(value, dict):
             return value
-        self.problems.append(f"{where}: expected a mapping (a JSON object), got {shown(value)}")
+        self.problems.append(not_a_mapping(where, value))
         return {}
 
     def unknown(self, where: str, section: dict[str, Any], known: set[str] | dict[str, Any]) -> None:
@@ -531,7 +542,7 @@ def deepspeed_problems(ds: dict[str, Any]) -> list[str]:
             if problem := type_problem(value, _SCALARS[key]):
                 problems.append(f"{key}: {problem}")
         elif not isinstance(value, dict) and (key in models or key in DEEPSPEED_PASSTHROUGH_KEYS):
-            problems.append(f"{key}: expected a mapping (a JSON object), got {shown(value)}")
+            problems.append(not_a_mapping(key, value))
         elif key in models:
             if key == "zero_optimization":
                 value = {k: v for k, v in value.items() if k not in removed_zero}  # said above
