@@ -177,7 +177,8 @@ def inspect_hosts(cfg: RunConfig, opts: Options, report: Report) -> dict[str, di
         "ckpt_bytes": estimate_bytes(resolve_vocab(cfg)),
     }
     env = launch_environment(cfg.launch)  # the ranks' environment: where ops build, which ninja and compiler
-    # One machine: probed without ssh, but `deepspeed --hostfile` would still try its ssh check first.
+    # One machine: probed without ssh, but `deepspeed --hostfile` still runs its ssh check first, and
+    # stops there if it fails: so does preflight (unless --no-ssh or --no-ssh-check, as DeepSpeed's).
     check_anyway = one_machine(opts) and bool(launch_ssh_hosts([first], opts.no_ssh, opts.no_ssh_check))
 
     def one(
@@ -192,12 +193,13 @@ def inspect_hosts(cfg: RunConfig, opts: Options, report: Report) -> dict[str, di
         for host, res, check in pool.map(one, opts.hosts):
             row = report.rows[host] = {"host": host, "slots": str(opts.hosts[host])}
             if check is not None and check.returncode != 0:
-                report.warnings.append(_pdsh_warning(host, opts, check))
+                row["ssh"] = "FAIL"
+                report.problems.append(_local_ssh_problem(host, opts, check))
             if res.returncode == 255 and over_ssh(host, opts):
                 row["ssh"] = "FAIL"
                 report.problems.append(_ssh_problem(host, opts, res))
                 continue
-            row["ssh"] = "ok" if over_ssh(host, opts) else "local"
+            row.setdefault("ssh", "ok" if over_ssh(host, opts) else "local")
             try:
                 answers[host] = json.loads(res.stdout.strip().splitlines()[-1])
             except (ValueError, IndexError):
@@ -250,14 +252,14 @@ def _ssh_problem(host: str, opts: Options, res: subprocess.CompletedProcess[str]
     )
 
 
-def _pdsh_warning(host: str, opts: Options, check: subprocess.CompletedProcess[str]) -> Problem:
+def _local_ssh_problem(host: str, opts: Options, check: subprocess.CompletedProcess[str]) -> Problem:
     return Problem(
         host,
         "ssh",
-        f"probed without ssh, as one machine; but `deepspeed --hostfile {opts.hostfile}` (launch/pdsh.sh) "
-        f"would stop at its ssh check: `{deepspeed_ssh_check(host, opts)}` fails ({_last_line(check.stderr)})",
-        f"launch without ssh: launch/no_ssh.sh {opts.hostfile} 0 (deepspeed --no_ssh), or deepspeed without "
-        f"--hostfile; or {_passwordless(host)}",
+        f"`deepspeed --hostfile {opts.hostfile}` (launch/pdsh.sh) stops at its ssh check, even for this "
+        f"machine: `{deepspeed_ssh_check(host, opts)}` fails ({_last_line(check.stderr)})",
+        f"{_passwordless(host)}; or launch without ssh: launch/no_ssh.sh {opts.hostfile} 0 (deepspeed "
+        "--no_ssh), or deepspeed without --hostfile, and check that launch with `pretrain preflight --no-ssh`",
     )
 
 

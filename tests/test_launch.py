@@ -243,7 +243,7 @@ def test_preflight_on_localhost(char_dataset, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
     cmd = [
-        sys.executable, "-m", "pretrain", "preflight", "--hostfile", str(hostfile), "--master-port", "29581",
+        sys.executable, "-m", "pretrain", "preflight", "--hostfile", str(hostfile), "--no-ssh", "--master-port", "29581",
         f"--set=data.corpus={TINY_SHAKESPEARE}", f"--set=data.dataset_dir={char_dataset}",
         f"--set=logging.run_dir={tmp_path / 'run'}",
     ]  # fmt: skip
@@ -367,8 +367,8 @@ def test_preflight_sshes_where_deepspeeds_launcher_does(hosts, flags, tmp_path, 
 
 def test_preflight_refuses_a_hostfile_deepspeed_would_ssh_to(char_dataset, tmp_path):
     """Real ssh, to a port nothing listens on: a hostfile that DeepSpeed reaches over pdsh fails on
-    every host with the fix; a hostfile of this machine alone passes, warning that launch/pdsh.sh
-    would stop at DeepSpeed's ssh check."""
+    every host with the fix; so does a hostfile of this machine alone, as DeepSpeed's ssh check of it
+    fails, unless preflight is told the launch uses no ssh (--no-ssh, as deepspeed --no_ssh)."""
     if shutil.which("ssh") is None:
         pytest.skip("no ssh client (openssh-client, .ci/system-deps)")
     port = str(_free_port())
@@ -399,12 +399,17 @@ def test_preflight_refuses_a_hostfile_deepspeed_would_ssh_to(char_dataset, tmp_p
 
     hostfile.write_text("localhost slots=1\n")
     out = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stdout + out.stderr, out.stdout + out.stderr
+    assert out.stdout.splitlines()[1].split()[:3] == ["localhost", "1", "FAIL"]
+    fail = next(line for line in out.stdout.splitlines() if line.startswith("FAIL localhost: ssh:"))
+    assert f"`ssh -o PasswordAuthentication=no -p {port} localhost hostname` fails" in fail
+    assert "ssh-keygen" in out.stdout and f"launch/no_ssh.sh {hostfile} 0" in out.stdout
+    assert out.stdout.splitlines()[-1] == "preflight: 1 problem(s) on 1 host(s)"
+    out = subprocess.run(
+        [*cmd, "--no-ssh"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.splitlines()[1].split()[:3] == ["localhost", "1", "local"]
-    warn = next(line for line in out.stdout.splitlines() if line.startswith("WARN localhost: ssh:"))
-    assert f"`ssh -o PasswordAuthentication=no -p {port} localhost hostname` fails" in warn
-    assert f"launch/no_ssh.sh {hostfile} 0" in out.stdout
-    assert out.stdout.splitlines()[-1] == "preflight: all 1 host(s) ready, 1 warning(s)"
 
 
 @pytest.mark.parametrize(
@@ -438,7 +443,7 @@ def test_preflight_reports_the_deepspeed_ops_a_config_needs(char_dataset, tmp_pa
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n")
     cmd = [
-        sys.executable, "-m", "pretrain", "preflight", "--hostfile", str(hostfile), "--master-port", "29585",
+        sys.executable, "-m", "pretrain", "preflight", "--hostfile", str(hostfile), "--no-ssh", "--master-port", "29585",
         "--no-allreduce", f"--set=data.corpus={TINY_SHAKESPEARE}", f"--set=data.dataset_dir={char_dataset}",
         f"--set=logging.run_dir={tmp_path / 'run'}", "--set=zero.stage=2", "--set=zero.offload_optimizer=true",
     ]  # fmt: skip

@@ -207,7 +207,7 @@ def test_plan_reads_the_bus_bandwidth_preflight_measured(char_dataset, tmp_path,
     sets = [f"--set=data.corpus={TINY_SHAKESPEARE}", f"--set=data.dataset_dir={char_dataset}",
             f"--set=logging.run_dir={tmp_path / 'run'}"]  # fmt: skip
     out = subprocess.run(
-        [sys.executable, "-m", "pretrain", "preflight", "--hostfile", str(hostfile), "--master-port", "29583", *sets],
+        [sys.executable, "-m", "pretrain", "preflight", "--hostfile", str(hostfile), "--no-ssh", "--master-port", "29583", *sets],
         cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr

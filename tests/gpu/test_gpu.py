@@ -72,7 +72,7 @@ def test_preflight_reports_cuda_nccl_and_bus_bandwidth(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(f"localhost slots={torch.cuda.device_count()}\n")
     out = subprocess.run(
-        [sys.executable, "-m", "pretrain", "preflight", "--hostfile", str(hostfile), "--master-port", "29593",
+        [sys.executable, "-m", "pretrain", "preflight", "--hostfile", str(hostfile), "--no-ssh", "--master-port", "29593",
          "--allreduce-mb", "64", f"--set=data.corpus={TINY_SHAKESPEARE}",
          f"--set=data.dataset_dir={tmp_path / 'no-data'}", f"--set=logging.run_dir={tmp_path / 'run'}"],
         cwd=ROOT, env=gpu_env(), capture_output=True, text=True, timeout=300,
@@ -110,7 +110,7 @@ def test_setup_built_the_deepspeed_ops_the_presets_use(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n")
     out = subprocess.run(
-        [sys.executable, "-m", "pretrain", "preflight", "--hostfile", str(hostfile), "--no-allreduce",
+        [sys.executable, "-m", "pretrain", "preflight", "--hostfile", str(hostfile), "--no-ssh", "--no-allreduce",
          "--preset", "gpt2-124m", "--set", "zero.offload_optimizer=true", "--set", "zero.stage=2",
          f"--set=logging.run_dir={tmp_path / 'run'}"],
         cwd=ROOT, env=gpu_env(), capture_output=True, text=True, timeout=300,
