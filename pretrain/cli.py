@@ -29,6 +29,33 @@ from pretrain.launch import env_file_text, format_hostfile, launch_environment, 
 from pretrain.presets import DS_CONFIG_RENDERS, PRESETS, build, build_checked
 
 
+def _number(kind: type[int] | type[float], low: float, above: bool = False, high: float | None = None) -> Any:
+    """An argparse type: a `kind` number at least `low` (above it with `above`), at most `high`.
+    A bad value is argparse's one-line error (exit 2), naming the flag and the range."""
+    bound = f"{'above' if above else 'at least'} {low:g}" + (
+        f" and at most {high:g}" if high is not None else ""
+    )
+    noun = "a whole number" if kind is int else "a number"
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if value != value or value < low or (above and value == low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: {noun} {bound}")
+        return value
+
+    return parse
+
+
+COUNT = _number(int, 1)  # ranks, workers, samples, tokens
+NON_NEGATIVE = _number(int, 0)  # restarts, seeds, top-k (0: all)
+PORT = _number(int, 1, high=65535)
+POSITIVE = _number(float, 0, above=True)  # sizes, seconds, rates, temperature
+FRACTION = _number(float, 0, above=True, high=1)
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("config (applied in this order)")
     g.add_argument(
@@ -81,18 +108,20 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-restarts",
-        type=int,
+        type=NON_NEGATIVE,
         metavar="N",
         help="Supervise: start the ranks under torchrun and, when any rank dies, restart them all from "
         "the newest checkpoint, up to N times.",
     )
     p.add_argument(
         "--nproc-per-node",
-        type=int,
+        type=COUNT,
         metavar="K",
         help="Start K ranks here under torchrun (supervised with --max-restarts; default 1).",
     )
-    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # injected by launchers
+    p.add_argument(
+        "--local_rank", "--local-rank", type=NON_NEGATIVE, help=argparse.SUPPRESS
+    )  # injected by launchers
 
     p = sub.add_parser("prepare", help="The same as `data prepare`.")
     _add_prepare_args(p)
@@ -106,14 +135,14 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("render", help="Print the DeepSpeed JSON of a config, or (--all) rewrite ds_configs/.")
     _add_config_args(p)
-    p.add_argument("--world-size", type=int, default=1, help="Data-parallel world size (default 1).")
+    p.add_argument("--world-size", type=COUNT, default=1, help="Data-parallel world size (default 1).")
     p.add_argument("--all", action="store_true", help="Render every file of ds_configs/.")
     p.add_argument("--check", action="store_true", help="With --all: exit 1 if a file is out of date.")
     p.add_argument("--out-dir", default="ds_configs", help="With --all: where the files go.")
 
     p = sub.add_parser("config", help="Print the resolved run config as YAML.")
     _add_config_args(p)
-    p.add_argument("--world-size", type=int, default=None, help="Resolve the batch for this world size.")
+    p.add_argument("--world-size", type=COUNT, default=None, help="Resolve the batch for this world size.")
 
     sub.add_parser("presets", help="List the presets and their parameter counts.")
     _add_checkpoint_parsers(sub)
@@ -125,22 +154,26 @@ def parser() -> argparse.ArgumentParser:
         "config_file", nargs="?", metavar="CONFIG", help="Run config file (as --config), or a preset name."
     )
     _add_config_args(p)
-    p.add_argument("--world-size", type=int, help="Data-parallel world size (default 1, or the hostfile's).")
+    p.add_argument(
+        "--world-size", type=COUNT, help="Data-parallel world size (default 1, or the hostfile's)."
+    )
     p.add_argument("--hostfile", help="Take the world size and ranks per node from this hostfile.")
     p.add_argument(
-        "--device-gb", type=float, help="Memory of one rank's device in GB (default: this machine's)."
+        "--device-gb", type=POSITIVE, help="Memory of one rank's device in GB (default: this machine's)."
     )
-    p.add_argument("--host-gb", type=float, help="Host memory of one node in GB (default: this machine's).")
     p.add_argument(
-        "--gpus-per-node", type=int, help="Ranks per node, for DeepSpeed's estimates (default: min(N, 8))."
+        "--host-gb", type=POSITIVE, help="Host memory of one node in GB (default: this machine's)."
+    )
+    p.add_argument(
+        "--gpus-per-node", type=COUNT, help="Ranks per node, for DeepSpeed's estimates (default: min(N, 8))."
     )
     t = p.add_argument_group(
         "step time (default: a previous run, preflight's figure, this machine, assumptions)"
     )
     t.add_argument("--device", help="The GPU, for its datasheet peak (e.g. A100, H100), or 'cpu'.")
-    t.add_argument("--peak-tflops", type=float, help="One rank's peak TFLOP/s.")
-    t.add_argument("--mfu", type=float, help="The fraction of the peak forward+backward reach.")
-    t.add_argument("--busbw", type=float, help="All-reduce bus bandwidth in GB/s (preflight measures it).")
+    t.add_argument("--peak-tflops", type=POSITIVE, help="One rank's peak TFLOP/s.")
+    t.add_argument("--mfu", type=FRACTION, help="The fraction of the peak forward+backward reach.")
+    t.add_argument("--busbw", type=POSITIVE, help="All-reduce bus bandwidth in GB/s (preflight measures it).")
     t.add_argument(
         "--from-run",
         metavar="RUN_DIR",
@@ -168,8 +201,8 @@ def _add_launch_parsers(sub: Any) -> None:
     p.add_argument(
         "--master-addr", help="Rank 0's address as the other hosts reach it (default: first host)."
     )
-    p.add_argument("--master-port", type=int, default=29500, help="Rendezvous port (default 29500).")
-    p.add_argument("--ssh-port", type=int, help="ssh port, as deepspeed --ssh_port.")
+    p.add_argument("--master-port", type=PORT, default=29500, help="Rendezvous port (default 29500).")
+    p.add_argument("--ssh-port", type=PORT, help="ssh port, as deepspeed --ssh_port.")
     p.add_argument(
         "--no-ssh",
         action="store_true",
@@ -186,8 +219,12 @@ def _add_launch_parsers(sub: Any) -> None:
     )
     p.add_argument("--no-checksums", action="store_true", help="Check shards exist, without hashing them.")
     p.add_argument("--no-allreduce", action="store_true", help="Skip the timed all-reduce.")
-    p.add_argument("--allreduce-mb", type=float, help="All-reduce size (default 256 MiB on GPUs, 8 on CPUs).")
-    p.add_argument("--timeout", type=float, default=120, help="Seconds to wait for each host (default 120).")
+    p.add_argument(
+        "--allreduce-mb", type=POSITIVE, help="All-reduce size (default 256 MiB on GPUs, 8 on CPUs)."
+    )
+    p.add_argument(
+        "--timeout", type=POSITIVE, default=120, help="Seconds to wait for each host (default 120)."
+    )
 
     p = sub.add_parser(
         "launch-env",
@@ -211,7 +248,7 @@ def _add_checkpoint_parsers(sub: Any) -> None:
         "so that `train --resume` can continue it on another world size.",
     )
     p.add_argument("src", metavar="CHECKPOINT", help=src_help)
-    p.add_argument("--workers", type=int, default=1, help="Parallel extract/merge processes (default 1).")
+    p.add_argument("--workers", type=COUNT, default=1, help="Parallel extract/merge processes (default 1).")
     p.add_argument("--no-checksums", action="store_true", help="Check file sizes only, not sha256.")
 
     p = sub.add_parser(
@@ -225,13 +262,13 @@ def _add_checkpoint_parsers(sub: Any) -> None:
     p = sub.add_parser("sample", help="Generate text from a checkpoint or an export.")
     p.add_argument("src", metavar="CHECKPOINT_OR_EXPORT", help=src_help + " Or an export dir.")
     p.add_argument("--prompt", default="\n", help="Text to continue (default: a newline).")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="Tokens to generate (default 200).")
-    p.add_argument("--temperature", type=float, default=0.8, help="Softmax temperature (default 0.8).")
+    p.add_argument("--max-new-tokens", type=COUNT, default=200, help="Tokens to generate (default 200).")
+    p.add_argument("--temperature", type=POSITIVE, default=0.8, help="Softmax temperature (default 0.8).")
     p.add_argument(
-        "--top-k", type=int, default=200, help="Sample among the k likeliest; 0: all (default 200)."
+        "--top-k", type=NON_NEGATIVE, default=200, help="Sample among the k likeliest; 0: all (default 200)."
     )
-    p.add_argument("--seed", type=int, default=1337, help="Sampling seed (default 1337).")
-    p.add_argument("--num-samples", type=int, default=1, help="Independent samples (default 1).")
+    p.add_argument("--seed", type=NON_NEGATIVE, default=1337, help="Sampling seed (default 1337).")
+    p.add_argument("--num-samples", type=COUNT, default=1, help="Independent samples (default 1).")
     p.add_argument("--device", default="cpu", help="torch device (default cpu).")
     p.add_argument("--tokenizer-path", help="Local gpt2.tiktoken, for GPT-2 BPE models trained offline.")
 
@@ -387,7 +424,9 @@ def _add_prepare_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="A local copy of a downloaded corpus (data.source), e.g. of tinyshakespeare: no network.",
     )
-    p.add_argument("--workers", type=int, metavar="N", help="Worker processes (data.workers; 0: none).")
+    p.add_argument(
+        "--workers", type=NON_NEGATIVE, metavar="N", help="Worker processes (data.workers; 0: none)."
+    )
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

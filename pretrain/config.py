@@ -515,16 +515,52 @@ def parse_override(item: str) -> dict[str, Any]:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}: give each key once", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads' object hook: a key given twice in one object is an error, not the last one wins."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}: give each key once")
+        out[key] = value
+    return out
+
+
 def load_file(path: str | Path) -> dict[str, Any]:
+    """A config file or a DeepSpeed JSON: a mapping, each key given once, UTF-8 text."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError([f"{p}: no such file"], "config file")
+    kind = "JSON" if p.suffix == ".json" else "YAML"
     try:
-        data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        text = p.read_text(encoding="utf-8")
+        data = (
+            json.loads(text, object_pairs_hook=_unique_pairs)
+            if kind == "JSON"
+            else yaml.load(text, _UniqueKeyLoader)
+        )
+    except UnicodeDecodeError as e:
         raise ConfigError(
-            [f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}"], "config file"
-        ) from e
+            [f"{p}: not UTF-8 text ({e.reason} at byte {e.start}); is it the right file?"], "config file"
+        ) from None
+    except OSError as e:
+        raise ConfigError([f"{p}: unreadable ({e.strerror or e})"], "config file") from None
+    except (ValueError, yaml.YAMLError) as e:  # JSONDecodeError is a ValueError
+        raise ConfigError([f"{p}: not valid {kind}: {e}"], "config file") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

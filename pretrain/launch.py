@@ -69,7 +69,15 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
     p = Path(path)
     if not p.is_file():
         raise HostfileError([f"{p}: no such file"], str(p))
-    return parse_hostfile(p.read_text(), str(p))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise HostfileError(
+            [f"not UTF-8 text ({e.reason} at byte {e.start}); is it the right file?"], str(p)
+        ) from None
+    except OSError as e:
+        raise HostfileError([f"unreadable ({e.strerror or e})"], str(p)) from None
+    return parse_hostfile(text, str(p))
 
 
 def format_hostfile(hosts: dict[str, int]) -> str:

@@ -164,3 +164,74 @@ def test_render_all_check_passes_on_the_committed_files(tmp_path):
         [str(BIN / "pretrain"), "render", "--all", "--check", "--out-dir", str(ROOT / "ds_configs")], tmp_path
     )
     assert out.returncode == 0, out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Numbers out of range, and files that are not what they should be: one line, exit 2, no traceback
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (
+            ["config", "--world-size", "0"],
+            "argument --world-size: 0 is out of range: a whole number at least 1",
+        ),
+        (["render", "--world-size", "-2"], "argument --world-size: -2 is out of range"),
+        (["plan", "gpt2-124m", "--world-size", "abc"], "argument --world-size: 'abc' is not a whole number"),
+        (
+            ["plan", "gpt2-124m", "--mfu", "1.5"],
+            "argument --mfu: 1.5 is out of range: a number above 0 and at most 1",
+        ),
+        (["plan", "gpt2-124m", "--device-gb", "nan"], "argument --device-gb: nan is out of range"),
+        (
+            ["train", "--max-restarts", "-1"],
+            "argument --max-restarts: -1 is out of range: a whole number at least 0",
+        ),
+        (["train", "--nproc-per-node", "0"], "argument --nproc-per-node: 0 is out of range"),
+        (
+            ["sample", "x", "--temperature", "0"],
+            "argument --temperature: 0 is out of range: a number above 0",
+        ),
+        (["sample", "x", "--top-k", "-1"], "argument --top-k: -1 is out of range"),
+        (["sample", "x", "--num-samples", "0"], "argument --num-samples: 0 is out of range"),
+        (
+            ["sample", "x", "--max-new-tokens", "1e3"],
+            "argument --max-new-tokens: '1e3' is not a whole number",
+        ),
+        (
+            ["preflight", "--hostfile", "h", "--master-port", "70000"],
+            "argument --master-port: 70000 is out of range",
+        ),
+        (["convert", "x", "--workers", "0"], "argument --workers: 0 is out of range"),
+        (["data", "prepare", "--workers", "-1"], "argument --workers: -1 is out of range"),
+    ],
+)
+def test_numbers_out_of_range_are_one_line_errors(argv, needle, capsys):
+    from pretrain.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and needle in err and "Traceback" not in err, err
+
+
+def test_duplicate_keys_and_binary_files_are_one_screen_errors(tmp_path, capsys):
+    from pretrain.cli import main
+
+    (tmp_path / "run.yaml").write_text("model:\n  n_layer: 3\n  n_layer: 4\n")
+    (tmp_path / "ds.json").write_text('{"train_batch_size": 8, "train_batch_size": 16}')
+    (tmp_path / "blob").write_bytes(bytes(range(256)) * 4)
+    cases = [
+        (["config", "--config", str(tmp_path / "run.yaml")], "duplicate key 'n_layer': give each key once"),
+        (
+            ["config", "--preset", "tiny", "--ds", str(tmp_path / "ds.json")],
+            "duplicate key 'train_batch_size'",
+        ),
+        (["config", "--config", str(tmp_path / "blob")], "blob: not UTF-8 text"),
+        (["hostfile", str(tmp_path / "blob")], "not UTF-8 text"),
+    ]
+    for argv, needle in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and needle in err and "Traceback" not in err, err
