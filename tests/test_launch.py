@@ -286,7 +286,9 @@ def test_preflight_bad_hostfile_is_a_one_screen_error(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # preflight reaches hosts as DeepSpeed's launcher does, and checks the DeepSpeed ops the config needs
 
-SSH_SHIM = '#!/bin/sh\nprintf "%s\\037" "$@" >> "$SSH_LOG"\necho >> "$SSH_LOG"\n'
+# One write per call (a line built first, then appended at once): preflight runs its ssh calls in
+# parallel, and two calls' pieces must not interleave in the log.
+SSH_SHIM = '#!/bin/sh\nline=$(printf "%s\\037" "$@")\nprintf "%s\\n" "$line" >> "$SSH_LOG"\n'
 
 
 def _ssh_targets(log: Path) -> list[tuple[str, list[str]]]:
