@@ -19,12 +19,14 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
+import sys
 import time
 from argparse import Namespace
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,14 @@ def safe_loading() -> Iterator[None]:
     try:
         with torch.serialization.safe_globals(_safe_globals()):
             yield
+    except pickle.UnpicklingError as e:
+        # Anything but tensors and plain data: a file from elsewhere, or crafted. Never executed.
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            "refused to load a checkpoint file that holds more than tensors and plain data (loading it "
+            f"could run code): {first[:300]}. Use checkpoints written by pretrain, from a source you trust",
+            collective=False,
+        ) from e
     finally:
         if old is None:
             os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
@@ -370,9 +380,10 @@ def prune(ckpt_dir: Path, policy: CheckpointConfig) -> list[str]:
 
 
 def latest_tag(ckpt_dir: Path) -> str | None:
-    """The tag `latest` names, if it names a step tag."""
+    """The tag `latest` names, if it names a step tag (a damaged `latest` names none)."""
     try:
-        tag = (ckpt_dir / LATEST).read_text().strip()
+        with (ckpt_dir / LATEST).open("rb") as f:
+            tag = f.read(256).decode("ascii", errors="replace").strip()
     except OSError:
         return None
     return tag if step_of(tag) is not None else None
@@ -409,7 +420,7 @@ def read_meta(path: Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except FileNotFoundError as e:
         raise CheckpointError(f"{path}: no {META}; not a complete pretrain checkpoint") from e
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
         raise CheckpointError(f"{meta_path}: unreadable ({e})") from e
     if not isinstance(meta, dict):
         raise CheckpointError(f"{meta_path}: not a JSON object")
@@ -485,6 +496,63 @@ def needs_universal(meta: dict[str, Any], world_size: int, zero_stage: int) -> b
     return saved_world != world_size or not same_layout
 
 
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def newest_valid(
+    ckpt_dir: Path, check: Callable[[Path], list[str]], report: Callable[[str], None]
+) -> Path | None:
+    """The newest committed checkpoint in `ckpt_dir` that `check` finds no problem with. Every
+    directory passed over is reported, with why: never skipped in silence."""
+    tags, notes = committed_tags(ckpt_dir)
+    for note in notes:
+        report(f"checkpoint: {note}")
+    for tag in reversed(tags):
+        problems = check(ckpt_dir / tag)
+        if not problems:
+            return ckpt_dir / tag
+        report(
+            f"checkpoint {ckpt_dir / tag} is invalid, skipped; trying the previous one:\n  - "
+            + "\n  - ".join(problems[:8])
+        )
+    return None
+
+
+def locate(src: Path, check: Callable[[Path], list[str]], report: Callable[[str], None] = _stderr) -> Path:
+    """The one way every reader (resume, convert, export, sample, preflight) turns what a person
+    names into a checkpoint directory it may read: a checkpoint (`step_N`, `step_N/universal`) whose
+    files `check` finds sound, or the newest sound one of a checkpoints or run directory."""
+    hint = "give a checkpoint (RUN_DIR/checkpoints/step_N), a checkpoints dir or a run dir"
+    if not src.exists():
+        raise CheckpointError(f"{src}: no such file or directory; {hint}")
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: not a directory; {hint}")
+    if (src / META).is_file():
+        problems = check(src)
+        if problems:
+            raise CheckpointError(
+                f"{src}: invalid checkpoint (its files are not the ones written at save); pass its run "
+                "dir to use the newest valid checkpoint:\n  - " + "\n  - ".join(problems[:8])
+            )
+        return src
+    for ckpt_dir in (src, src / "checkpoints"):
+        if committed_tags(ckpt_dir) != ([], []):
+            found = newest_valid(ckpt_dir, check, report)
+            if found is None:
+                raise CheckpointError(
+                    f"{src}: no valid checkpoint in {ckpt_dir} (each is listed above, with why)"
+                )
+            return found
+    raise CheckpointError(f"{src}: no checkpoint here; {hint}")
+
+
+def open_checkpoint(src: Path, checksums: bool = True, report: Callable[[str], None] = _stderr) -> Path:
+    """`locate` for one process: every file of the checkpoint checked against its manifest (sizes,
+    and sha256 with `checksums`)."""
+    return locate(src, lambda p: verify(p, checksums), report)
+
+
 def find(
     ckpt_dir: Path,
     spec: str,
@@ -495,32 +563,21 @@ def find(
     report: Any = print,
 ) -> Checkpoint | None:
     """The checkpoint to resume from. `spec` is "auto" (the newest valid one in `ckpt_dir`; each
-    invalid one is reported and the previous one tried) or the path of a checkpoint directory.
+    invalid one is reported and the previous one tried) or what a person named (`locate`); the
+    files are verified with the work shared out over the ranks.
 
     A checkpoint saved on another world size (or ZeRO layout) is used through its universal
     conversion (`pretrain convert`), and refused with the command to run if it has none."""
+
+    def check(p: Path) -> list[str]:
+        return verify_all(p, checksums, group)
+
     chosen: Checkpoint | None = None
-    if spec != "auto":
-        path = Path(spec)
+    path = newest_valid(ckpt_dir, check, report) if spec == "auto" else locate(Path(spec), check, report)
+    if path is not None:
         meta = read_meta(path)
-        problems = verify_all(path, checksums, group)
-        if problems:
-            raise CheckpointError(f"{path}: invalid checkpoint:\n  - " + "\n  - ".join(problems))
         root = path.parent.parent if meta.get("format") == "universal" else path.parent
         chosen = Checkpoint(root, str(path.relative_to(root)), meta)
-    else:
-        tags, notes = committed_tags(ckpt_dir)
-        for note in notes:
-            report(f"checkpoint: {note}")
-        for tag in reversed(tags):
-            problems = verify_all(ckpt_dir / tag, checksums, group)
-            if not problems:
-                chosen = Checkpoint(ckpt_dir, tag, read_meta(ckpt_dir / tag))
-                break
-            report(
-                f"checkpoint {ckpt_dir / tag} is invalid, trying the previous one:\n  - "
-                + "\n  - ".join(problems[:8])
-            )
     if chosen is None:
         return None
     if chosen.universal or not needs_universal(chosen.meta, world_size, zero_stage):
@@ -556,6 +613,9 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], 
         problems.append("the tokenizer differs from the one the checkpoint was trained with")
     if problems:
         raise DataError(f"{ckpt.path}: cannot resume:\n  - " + "\n  - ".join(problems))
+    if warn:
+        for note in schedule_changes(ckpt, cfg):
+            print(f"warning: {note}", flush=True)
     saved_data = ckpt.meta.get("data_manifest_sha256")
     if warn and saved_data and saved_data != datasets_sha256(datasets):
         print(
@@ -563,6 +623,38 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], 
             "order will not continue exactly",
             flush=True,
         )
+
+
+def schedule_changes(ckpt: Checkpoint, cfg: RunConfig) -> list[str]:
+    """What a resume changes in the LR schedule (schedule.*, optimizer.lr), with the LR jump it
+    makes at the step it continues from: the cosine re-stretched, or a new peak."""
+    from pretrain.config import ScheduleConfig
+    from pretrain.schedule import lr_at
+
+    saved = ckpt.meta.get("config", {})
+    now_sched, now_lr = cfg.schedule.model_dump(mode="json"), cfg.optimizer.lr
+    try:
+        was_sched = ScheduleConfig.model_validate({**now_sched, **saved.get("schedule", {})})
+        was_lr = float(saved.get("optimizer", {}).get("lr", now_lr))
+    except (ValueError, TypeError):
+        return []
+    changed = [
+        f"schedule.{k}: {v!r} -> {now_sched[k]!r}"
+        for k, v in was_sched.model_dump(mode="json").items()
+        if now_sched.get(k) != v
+    ]
+    if was_lr != now_lr:
+        changed.append(f"optimizer.lr: {was_lr!r} -> {now_lr!r}")
+    if not changed:
+        return []
+    step = int(ckpt.meta.get("step", 0))
+    before, after = lr_at(step, was_lr, was_sched), lr_at(step, now_lr, cfg.schedule)
+    return [
+        f"this resume changes the learning-rate schedule ({'; '.join(changed)}): at step {step} the LR "
+        f"{'jumps' if abs(after - before) > 1e-3 * max(before, after, 1e-12) else 'stays'} from {before:.3g} "
+        f"to {after:.3g}. To continue the schedule the checkpoint was trained with, resume with its "
+        "settings (its config.yaml)"
+    ]
 
 
 def _ranks(n: int) -> str:
@@ -597,29 +689,14 @@ def load(engine: Any, ckpt: Checkpoint) -> dict[str, Any]:
 # Universal checkpoints (another world size or ZeRO stage)
 
 
-def resolve(src: Path) -> Path:
-    """A checkpoint directory from a checkpoint, a checkpoints directory or a run directory (the
-    newest committed checkpoint that verifies)."""
-    if (src / META).is_file():
-        return src
-    for ckpt_dir in (src, src / "checkpoints"):
-        tags, _ = committed_tags(ckpt_dir)
-        for tag in reversed(tags):
-            if not verify(ckpt_dir / tag, checksums=False):
-                return ckpt_dir / tag
-    raise CheckpointError(
-        f"{src}: no complete checkpoint here (a step_N directory, or a run or checkpoints dir)"
-    )
-
-
 def convert_to_universal(src: Path, workers: int = 1, checksums: bool = True) -> Path:
     """Write DeepSpeed's universal checkpoint of `src` into `src/universal`, atomically."""
     from deepspeed.checkpoint import ds_to_universal
 
+    src = open_checkpoint(src, checksums)
     meta = read_meta(src)
-    problems = verify(src, checksums)
-    if problems:
-        raise CheckpointError(f"{src}: invalid checkpoint:\n  - " + "\n  - ".join(problems[:8]))
+    if meta.get("format") == "universal":
+        raise CheckpointError(f"{src} is a universal checkpoint already; `train --resume {src}` loads it")
     if int(meta.get("zero_stage", 0)) == 0:
         raise CheckpointError(
             f"{src} is a ZeRO stage 0 checkpoint: it holds the whole optimizer state and resumes on "

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.config import RunConfig, to_yaml
-from pretrain.ds_config import check_with_deepspeed, render_deepspeed
-from pretrain.errors import ConfigError, DataError, PretrainError
+from pretrain.ds_config import RECORD, check_with_deepspeed, render_deepspeed
+from pretrain.errors import ConfigError, DataError, OutputError, PretrainError
 from pretrain.files import write_atomic
 from pretrain.launch import env_file_text, format_hostfile, launch_environment, read_hostfile, world_size
 from pretrain.presets import DS_CONFIG_RENDERS, PRESETS, build, build_checked
@@ -255,9 +255,14 @@ def _add_checkpoint_parsers(sub: Any) -> None:
         "export", help="Consolidated weights as safetensors (+ a Hugging Face GPT-2 dir) from any ZeRO stage."
     )
     p.add_argument("src", metavar="CHECKPOINT", help=src_help)
-    p.add_argument("--out", required=True, help="Output directory (replaced if it exists).")
+    p.add_argument(
+        "--out", required=True, help="Output directory: new, empty, or a previous export (then replaced)."
+    )
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="Weights dtype (default fp32).")
     p.add_argument("--no-hf", action="store_true", help="Skip the Hugging Face GPT-2 directory (hf/).")
+    p.add_argument(
+        "--no-checksums", action="store_true", help="Check the checkpoint's file sizes only, not sha256."
+    )
 
     p = sub.add_parser("sample", help="Generate text from a checkpoint or an export.")
     p.add_argument("src", metavar="CHECKPOINT_OR_EXPORT", help=src_help + " Or an export dir.")
@@ -271,6 +276,9 @@ def _add_checkpoint_parsers(sub: Any) -> None:
     p.add_argument("--num-samples", type=COUNT, default=1, help="Independent samples (default 1).")
     p.add_argument("--device", default="cpu", help="torch device (default cpu).")
     p.add_argument("--tokenizer-path", help="Local gpt2.tiktoken, for GPT-2 BPE models trained offline.")
+    p.add_argument(
+        "--no-checksums", action="store_true", help="Check the checkpoint's file sizes only, not sha256."
+    )
 
 
 def _supervise(args: argparse.Namespace) -> int:
@@ -371,10 +379,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from pretrain.checkpoint import convert_to_universal, resolve  # torch, DeepSpeed
+    from pretrain.checkpoint import convert_to_universal  # torch, DeepSpeed
 
-    src = resolve(Path(args.src))
-    out = convert_to_universal(src, workers=args.workers, checksums=not args.no_checksums)
+    out = convert_to_universal(Path(args.src), workers=args.workers, checksums=not args.no_checksums)
     print(
         f"wrote the universal checkpoint {out}\n"
         f"`pretrain train --resume auto` (same run dir) now continues it on any world size; or pass "
@@ -386,7 +393,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from pretrain.export import export  # torch
 
-    info = export(Path(args.src), Path(args.out), dtype=args.dtype, hf=not args.no_hf)
+    info = export(
+        Path(args.src), Path(args.out), dtype=args.dtype, hf=not args.no_hf, checksums=not args.no_checksums
+    )
     print(
         f"exported {info['source']} (step {info['step']}, {info['params'] / 1e6:.2f}M params, {args.dtype}) "
         f"to {info['out']}" + (f"; Hugging Face GPT-2 dir {info['out'] / 'hf'}" if info["hf"] else "")
@@ -397,7 +406,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_sample(args: argparse.Namespace) -> int:
     from pretrain.export import generate, load_model, tokenizer_for  # torch
 
-    model, cfg, where = load_model(Path(args.src), device=args.device)
+    _check_device(args.device)
+    model, cfg, where = load_model(Path(args.src), device=args.device, checksums=not args.no_checksums)
     tokenizer = tokenizer_for(where, cfg, args.tokenizer_path)
     texts = generate(
         model,
@@ -414,6 +424,22 @@ def cmd_sample(args: argparse.Namespace) -> int:
             print(f"--- sample {i + 1} ---")
         print(text)
     return 0
+
+
+def _check_device(name: str) -> None:
+    """--device names a device this machine has."""
+    import torch
+
+    try:
+        torch.empty(0, device=torch.device(name))
+    except (RuntimeError, AssertionError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        cuda = (
+            f"{torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA device"
+        )
+        raise ConfigError(
+            [f"--device {name!r}: not usable here ({first}); this machine has {cuda}; try --device cpu"]
+        ) from e
 
 
 def _add_prepare_args(p: argparse.ArgumentParser) -> None:
@@ -457,16 +483,26 @@ def cmd_render(args: argparse.Namespace) -> int:
     if not args.all:
         print(_render_json(_config(args, args.world_size)), end="")
         return 0
-    stale = []
+    stale, texts = [], {}
     for name, (preset, overrides, world) in DS_CONFIG_RENDERS.items():
         text = render_file(preset, overrides, world)
         path = Path(args.out_dir) / f"{name}.json"
-        if path.is_file() and path.read_text() == text:
+        if _read_bytes(path) == text.encode():
             continue
         stale.append(str(path))
-        if not args.check:
+        texts[path] = text
+    if not args.check:
+        # Only files this command wrote before are rewritten: a DeepSpeed JSON of another project
+        # kept under one of these names is refused, never lost.
+        foreign = [str(p) for p in texts if (p.exists() or p.is_symlink()) and not _is_render(p)]
+        if foreign:
+            raise OutputError(
+                f"--out-dir {args.out_dir}: {', '.join(foreign)} not written by `pretrain render`; refusing "
+                "to overwrite: move them away or choose another --out-dir"
+            )
+        for path, text in texts.items():
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+            write_atomic(path, text)
     if args.check and stale:
         print("out of date (run `pretrain render --all`): " + ", ".join(stale), file=sys.stderr)
         return 1
@@ -475,6 +511,22 @@ def cmd_render(args: argparse.Namespace) -> int:
         + (f" ({len(stale)} changed)" if stale and not args.check else "")
     )
     return 0
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes() if path.is_file() else None
+    except OSError:
+        return None
+
+
+def _is_render(path: Path) -> bool:
+    """A DeepSpeed JSON `pretrain render` wrote: it carries our record of the run config."""
+    try:
+        data = json.loads(_read_bytes(path) or b"")
+    except ValueError:
+        return False
+    return isinstance(data, dict) and isinstance(data.get(RECORD), dict)
 
 
 def render_file(preset: str, overrides: list[str], world_size: int) -> str:
@@ -554,6 +606,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from pretrain.plot import plot_run  # matplotlib
 
+    if args.out and (data := _read_bytes(Path(args.out))) is not None and not data.startswith(b"\x89PNG"):
+        raise OutputError(
+            f"--out {args.out}: exists and is not a PNG; refusing to overwrite it: choose another file"
+        )
     out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
     print(f"wrote {out}")
     return 0
@@ -592,7 +648,21 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 def cmd_launch_env(args: argparse.Namespace) -> int:
     text = env_file_text(launch_environment(_config(args, None, deepspeed=False).launch))
     if args.output:
-        Path(args.output).write_text(text)
+        out = Path(args.output)
+        old = _read_bytes(out)
+        # Rewritten only where it holds no more than this command writes: other settings are kept.
+        ours = set(launch_environment(_config(args, None, deepspeed=False).launch))
+        theirs = {
+            line.split("=", 1)[0].strip() for line in (old or b"").decode(errors="replace").splitlines()
+        }
+        lost = sorted(k for k in theirs - ours if k)
+        if (out.exists() or out.is_symlink()) and (old is None or lost):
+            what = f"settings this command does not write ({', '.join(lost[:4])})" if lost else "no env file"
+            raise OutputError(
+                f"--output {out}: holds {what}; refusing to overwrite it: choose another file, or add these "
+                f"lines to it yourself:\n{text}"
+            )
+        write_atomic(out, text)
     else:
         print(text, end="")
     return 0

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from pretrain.config import RunConfig
+from pretrain.errors import ConfigError
 from pretrain.model import GPT
 
 
@@ -183,10 +184,27 @@ def build_model(cfg: RunConfig, ds_config: dict[str, Any]) -> GPT:
     return model
 
 
+def check_precision(cfg: RunConfig) -> None:
+    """bf16 or fp16 where this accelerator has it (DeepSpeed asks the same, with a traceback)."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    for name, supported in (("bf16", acc.is_bf16_supported), ("fp16", acc.is_fp16_supported)):
+        if getattr(cfg.precision, name) and not supported():
+            others = [n for n, ok in (("bf16", acc.is_bf16_supported()), ("fp32", True)) if ok and n != name]
+            raise ConfigError(
+                [
+                    f"precision.{name}: DeepSpeed's {acc.device_name()} accelerator on this machine does "
+                    f"not support {name}; use {' or '.join(others)} here (e.g. --set precision.{name}=false)"
+                ]
+            )
+
+
 def initialize(cfg: RunConfig, model: GPT, ds_config: dict[str, Any]) -> Any:
     """Wrap the model in the DeepSpeed engine, with AdamW over decay / no-decay groups."""
     import deepspeed  # after init_distributed, see there
 
+    check_precision(cfg)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=model.param_groups(cfg.optimizer.weight_decay),

@@ -57,6 +57,11 @@ class CheckpointError(PretrainError, RuntimeError):
         self.collective = collective
 
 
+class OutputError(PretrainError):
+    """An output path that would overwrite or delete what the command did not write, or a run dir
+    another run is using."""
+
+
 def did_you_mean(name: str, choices: list[str] | set[str]) -> str:
     """' (did you mean 'x'?)' for the closest of `choices`, or '' if none is close."""
     close = difflib.get_close_matches(name, sorted(choices), n=1)

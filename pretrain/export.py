@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -22,12 +21,15 @@ from safetensors.torch import load_file, save_file
 
 from pretrain import checkpoint
 from pretrain.config import ModelConfig, RunConfig
+from pretrain.errors import CheckpointError, OutputError
+from pretrain.files import check_output_dir, replace_dir, temp_name
 from pretrain.model import GPT
 from pretrain.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE, Tokenizer, load_tokenizer
 
 WEIGHTS = "model.safetensors"
 INFO = "pretrain.json"
 HF_DIR = "hf"
+EXPORT_NAMES = {WEIGHTS, INFO, HF_DIR, checkpoint.TOKENIZER}  # all an export holds
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -92,44 +94,59 @@ def hf_config(m: ModelConfig, dtype: str, tokenizer_type: str) -> dict[str, Any]
     }
 
 
-def export(src: Path, out: Path, dtype: str = "fp32", hf: bool = True) -> dict[str, Any]:
-    """Export the checkpoint `src` (or the newest one under a run/checkpoints dir) into `out`,
-    atomically. Returns what was written."""
-    ckpt = checkpoint.resolve(src)
+def is_export(path: Path) -> bool:
+    """`path` holds an export this command wrote, and nothing else: safe to replace."""
+    try:
+        info = json.loads((path / INFO).read_text())
+    except (OSError, ValueError):
+        return False
+    names = {p.name for p in path.iterdir()}
+    return isinstance(info, dict) and {"model", "source"} <= info.keys() and names <= EXPORT_NAMES
+
+
+def export(
+    src: Path, out: Path, dtype: str = "fp32", hf: bool = True, checksums: bool = True
+) -> dict[str, Any]:
+    """Export the checkpoint `src` (or the newest valid one under a run/checkpoints dir) into `out`,
+    atomically. `out` must be new, empty or a previous export. Returns what was written."""
+    ckpt = checkpoint.open_checkpoint(src, checksums)
+    check_output_dir(
+        out, is_export, "export", "--out", sources=[src, ckpt], no_inside=[ckpt], error=OutputError
+    )
     meta = checkpoint.read_meta(ckpt)
     cfg = RunConfig.model_validate(meta["config"])
     sd = consolidated_state_dict(ckpt)
     cast = {k: v.to(_DTYPES[dtype]) for k, v in sd.items()}
-    tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    native = {k: v for k, v in cast.items() if k != "lm_head.weight"}
-    save_file(native, str(tmp / WEIGHTS), metadata={"format": "pt", "dtype": dtype})
-    info = {
-        "model": cfg.model.model_dump(mode="json"),
-        "config": meta["config"],
-        "dtype": dtype,
-        "source": str(ckpt.resolve()),
-        "step": meta.get("step"),
-        "tokens_seen": meta.get("tokens_seen"),
-        "tokenizer_fingerprint": meta.get("tokenizer_fingerprint"),
-        "versions": meta.get("versions"),
-    }
-    (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n")
-    if (ckpt / checkpoint.TOKENIZER).is_file():
-        shutil.copyfile(ckpt / checkpoint.TOKENIZER, tmp / checkpoint.TOKENIZER)
-    wrote_hf = hf and is_gpt2_shaped(cfg.model)
-    if wrote_hf:
-        (tmp / HF_DIR).mkdir()
-        save_file(hf_state_dict(cast, cfg.model), str(tmp / HF_DIR / WEIGHTS), metadata={"format": "pt"})
-        (tmp / HF_DIR / "config.json").write_text(
-            json.dumps(hf_config(cfg.model, dtype, cfg.data.tokenizer), indent=1) + "\n"
-        )
-    if out.exists():
-        trash = out.with_name(f".trash-{out.name}-{os.getpid()}")
-        out.rename(trash)
-        shutil.rmtree(trash, ignore_errors=True)
-    tmp.rename(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(out.with_name(f".{out.name}"))
+    tmp.mkdir()
+    try:
+        native = {k: v for k, v in cast.items() if k != "lm_head.weight"}
+        save_file(native, str(tmp / WEIGHTS), metadata={"format": "pt", "dtype": dtype})
+        info = {
+            "model": cfg.model.model_dump(mode="json"),
+            "config": meta["config"],
+            "dtype": dtype,
+            "source": str(ckpt.resolve()),
+            "step": meta.get("step"),
+            "tokens_seen": meta.get("tokens_seen"),
+            "tokenizer_fingerprint": meta.get("tokenizer_fingerprint"),
+            "versions": meta.get("versions"),
+        }
+        (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n")
+        if (ckpt / checkpoint.TOKENIZER).is_file():
+            shutil.copyfile(ckpt / checkpoint.TOKENIZER, tmp / checkpoint.TOKENIZER)
+        wrote_hf = hf and is_gpt2_shaped(cfg.model)
+        if wrote_hf:
+            (tmp / HF_DIR).mkdir()
+            save_file(hf_state_dict(cast, cfg.model), str(tmp / HF_DIR / WEIGHTS), metadata={"format": "pt"})
+            (tmp / HF_DIR / "config.json").write_text(
+                json.dumps(hf_config(cfg.model, dtype, cfg.data.tokenizer), indent=1) + "\n"
+            )
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return {
         "source": ckpt,
         "out": out,
@@ -139,16 +156,21 @@ def export(src: Path, out: Path, dtype: str = "fp32", hf: bool = True) -> dict[s
     }
 
 
-def load_model(src: Path, device: str = "cpu") -> tuple[GPT, RunConfig, Path]:
+def load_model(src: Path, device: str = "cpu", checksums: bool = True) -> tuple[GPT, RunConfig, Path]:
     """A GPT in eval mode from an export directory, or from a checkpoint (consolidated in memory).
     Also returns the run config it was trained with and the directory holding its tokenizer."""
     if (src / WEIGHTS).is_file() and (src / INFO).is_file():
-        info = json.loads((src / INFO).read_text())
-        cfg = RunConfig.model_validate(info["config"])
+        try:
+            info = json.loads((src / INFO).read_text())
+            cfg = RunConfig.model_validate(info["config"])
+        except (OSError, ValueError, KeyError, TypeError) as e:  # pydantic's error is a ValueError
+            raise CheckpointError(
+                f"{src / INFO}: unreadable export info ({str(e)[:300]}); export again"
+            ) from e
         sd = load_file(str(src / WEIGHTS))
         where = src
     else:
-        where = checkpoint.resolve(src)
+        where = checkpoint.open_checkpoint(src, checksums)
         cfg = RunConfig.model_validate(checkpoint.read_meta(where)["config"])
         sd = consolidated_state_dict(where)
     model = GPT(cfg.model)

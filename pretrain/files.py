@@ -4,16 +4,20 @@ Every file the package writes goes through `AtomicFile`: written under a tempora
 its final one, flushed and fsynced, renamed into place, and its directory fsynced. A crash at any
 moment leaves the previous file (or none), never a torn one. A directory built in one piece (a
 dataset, an export, a universal checkpoint) is staged beside its final name and swapped in by
-`replace_dir`.
+`replace_dir`, and only over a new or empty directory or a previous output of the same command
+(`check_output_dir`): never over what a person put there.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
+
+from pretrain.errors import PretrainError
 
 
 def temp_name(path: Path) -> Path:
@@ -89,6 +93,49 @@ def replace_dir(staging: Path, out: Path) -> None:
     else:
         os.replace(staging, out)
     fsync_dir(out.parent)
+
+
+def _within(path: Path, parent: Path) -> bool:
+    return path == parent or parent in path.parents
+
+
+def check_output_dir(
+    out: Path,
+    is_previous: Callable[[Path], bool],
+    what: str,
+    flag: str,
+    sources: Sequence[Path] = (),
+    no_inside: Sequence[Path] = (),
+    error: type[PretrainError] = PretrainError,
+) -> None:
+    """Refuse an output directory whose replacement would lose something this command did not
+    write. `out` may be new, empty, or a previous output of the same command (`is_previous`: then it
+    is replaced whole, atomically); never one of `sources` or a directory holding one, nor a
+    directory inside one of `no_inside`. The error names `flag`, the setting to change."""
+    real = out.resolve()
+    for src in sources:
+        if _within(src.resolve(), real):
+            where = "is" if src.resolve() == real else "holds"
+            raise error(
+                f"{flag} {out} {where} the {what}'s source {src}; writing there would replace what it "
+                f"reads: choose a new directory for {flag}"
+            )
+    for src in no_inside:
+        if _within(real, src.resolve()):
+            raise error(
+                f"{flag} {out} is inside {src}, which the {what} reads: choose a directory outside it"
+            )
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir():
+        raise error(f"{flag} {out}: exists and is not a directory; choose a new directory for {flag}")
+    entries = sorted(p.name for p in out.iterdir())
+    if entries and not is_previous(out):
+        listed = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise error(
+            f"{flag} {out}: holds files that are not a previous {what} ({listed}); refusing to replace "
+            f"them: choose a new or empty directory for {flag}"
+        )
 
 
 def format_bytes(n: float) -> str:

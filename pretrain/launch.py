@@ -33,6 +33,9 @@ def valid_host(name: str) -> bool:
     return bool(_HOST.match(name)) and ".." not in name
 
 
+MAX_SLOTS = 1024  # accelerators one host can have; a larger count is a typo
+
+
 def parse_hostfile(text: str, source: str = "<text>") -> dict[str, int]:
     """Hosts in file order mapped to their slots; raises HostfileError listing every bad line."""
     hosts: dict[str, int] = {}
@@ -42,14 +45,22 @@ def parse_hostfile(text: str, source: str = "<text>") -> dict[str, int]:
         if not line or line.startswith("#"):
             continue
         m = _DS_LINE.search(line)
-        where = f"line {n} {line!r}"
+        where = f"line {n} {line[:80]!r}{'...' if len(line) > 80 else ''}"
         if not m:
             problems.append(f"{where}: expected '<host> slots=<N>', e.g. 'node-01 slots=8'")
             continue
-        host, slots = m.group(1), int(m.group(2))
+        host, digits = m.group(1), m.group(2).lstrip("0") or "0"
+        slots = int(digits) if len(digits) <= 6 else MAX_SLOTS + 1
         rest = line[m.end() :]
         if rest and not rest[0].isspace():
             problems.append(f"{where}: slots must be a whole number followed by a space or the end")
+        elif "slots=" in rest:
+            problems.append(f"{where}: slots given twice; give one 'slots=<N>' per line")
+        elif slots > MAX_SLOTS:
+            problems.append(
+                f"{where}: {m.group(2)[:12]}{'...' if len(m.group(2)) > 12 else ''} slots; slots is the number "
+                f"of accelerators (GPUs) on the host, at most {MAX_SLOTS}"
+            )
         elif not valid_host(host):
             problems.append(f"{where}: {host!r} is not a host name (letters, digits, '.', '-' and '_' only)")
         elif slots == 0:

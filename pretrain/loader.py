@@ -129,9 +129,12 @@ class ShardedLoader:
         weights: Sequence[float] | None = None,
         prefetch: int = 0,
         pin_memory: bool | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         """shard_paths: one dataset's shards, or one list of shards per blended dataset (then
-        `weights` gives each one's share of the samples)."""
+        `weights` gives each one's share of the samples). With `vocab_size`, every batch is checked
+        to hold only token ids below it (unverified or foreign shards; a bad id would otherwise
+        crash the embedding, or on a GPU assert in its kernel)."""
         for name, value in (("block_size", block_size), ("micro_batch_size", micro_batch_size)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -161,6 +164,7 @@ class ShardedLoader:
         self.seed = seed
         self.shuffle = shuffle
         self.weights = weights
+        self.vocab_size = vocab_size
         self.paths = [p for g in groups for p in g]
         self.shards = [open_shard(p, verify=verify) for p in self.paths]
         if len({s.dtype for s in self.shards}) > 1:
@@ -304,6 +308,15 @@ class ShardedLoader:
         m = self.micro_batch_size
         lo = c.position + self.rank * self.rank_batch_size + c.micro * m
         x, y = self._gather(self._run_ids(lo, m))
+        if self.vocab_size is not None and (top := max(int(x.max()), int(y.max()))) >= self.vocab_size:
+            e = DataError(
+                f"token id {top} at or beyond the vocabulary ({self.vocab_size} "
+                f"ids) in the batch at sample {lo} of {', '.join(str(p) for p in self.paths[:2])}"
+                f"{' ...' if len(self.paths) > 2 else ''}: the shards are damaged or from another tokenizer; "
+                "prepare the dataset again (data prepare --force), and keep data.verify_shards on"
+            )
+            e.collective = False  # this rank's batch
+            raise e
         nxt = (
             _Cursor(c.position + self.global_batch_size, 0)
             if c.micro + 1 == self.grad_accum

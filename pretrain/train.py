@@ -21,9 +21,9 @@ from pretrain.config import RunConfig
 from pretrain.dataset import TOKENIZER_FILE, Dataset, datasets_sha256, open_datasets, resolve_vocab
 from pretrain.ds_config import check_with_deepspeed, render_deepspeed
 from pretrain.engine import Dist
-from pretrain.errors import CheckpointError
+from pretrain.errors import CheckpointError, OutputError
 from pretrain.evaluate import evaluate, sample
-from pretrain.guards import Faults, StopOnSignal, agree, control_group
+from pretrain.guards import Faults, StopOnSignal, agree, control_group, gather
 from pretrain.loader import ShardedLoader
 from pretrain.metrics import (
     MetricsLog,
@@ -254,10 +254,18 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
     check_with_deepspeed(ds_config)
     run_dir = cfg.run_dir()
     ckpt_dir = run_dir / cfg.checkpoint.dir
-    if dist.is_main:
-        rundir.record(run_dir, cfg, ds_config)
-    # Checkpoints: a writable dir with room for one, and the one to resume from, before any work.
     ctrl = control_group()
+    # The run dir is this run's alone: rank 0 locks it for the whole run, before anything is written.
+    refused = None
+    if dist.is_main:
+        try:
+            rundir.claim(run_dir, ckpt_dir)
+            rundir.record(run_dir, cfg, ds_config)
+        except OutputError as e:
+            refused = str(e)
+    if refused := next((r for r in gather(refused, ctrl) if r), None):
+        raise OutputError(refused)
+    # Checkpoints: a writable dir with room for one, and the one to resume from, before any work.
     checkpoint.preflight(ckpt_dir, checkpoint.estimate_bytes(cfg), cfg.checkpoint.keep_last, ctrl)
     resume_from = None
     if resume:
@@ -292,6 +300,7 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
             verify=cfg.data.verify_shards,
             weights=[d.weight for d in datasets] if shuffle else None,
             prefetch=cfg.data.prefetch if shuffle else 0,
+            vocab_size=cfg.model.vocab_size,
         )
 
     run = Run(
