@@ -368,7 +368,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         resume in (None, "auto") or committed_tags(cfg.run_dir() / cfg.checkpoint.dir)[0]
     ):
         resume = "auto"
-    result = train(cfg, dist, resume=resume)
+    try:
+        result = train(cfg, dist, resume=resume)
+    except PretrainError:
+        # Every rank raises it alike; tear the groups down here, or gloo's threads abort at exit.
+        tdist.destroy_process_group()
+        raise
     if result.val_loss is not None and result.stopped_by is None:
         dist.log(f"done: step {result.final_step}, val loss {result.val_loss:.4f}, run dir {cfg.run_dir()}")
     tdist.barrier()

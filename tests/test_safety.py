@@ -1,0 +1,286 @@
+"""Nothing lost, no traceback: output dirs that are never someone else's, verified checkpoint reads,
+one run per run dir, and one clear message for each bad input, on the real commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pretrain import checkpoint
+from pretrain.errors import CheckpointError, DataError
+from tests.conftest import BIN, ROOT, TINY_SHAKESPEARE, cli, subprocess_env
+
+TINY = [
+    "--preset", "tiny", "--set", "model.block_size=32", "--set", "batch.micro_batch_size=2",
+    "--set", "schedule.warmup_steps=1", "--set", "logging.sample_tokens=0", "--set", "logging.eval_batches=1",
+    "--set", "checkpoint.interval=2", "--set", "checkpoint.keep_last=5",
+]  # fmt: skip
+
+
+def train_args(data: Path, run_dir: Path, steps: int) -> list[str]:
+    return [
+        "train", *TINY, f"--set=data.corpus={TINY_SHAKESPEARE}", f"--set=data.dataset_dir={data}",
+        f"--set=logging.run_dir={run_dir}", f"--set=schedule.max_steps={steps}",
+    ]  # fmt: skip
+
+
+def one_error(done: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """The command failed with exit 2 and one message (no traceback) holding every needle."""
+    err = done.stderr
+    assert done.returncode == 2, done.stdout[-2000:] + err[-3000:]
+    assert "Traceback" not in err and "error: " in err, err[-3000:]
+    for needle in needles:
+        assert needle in err, err[-3000:]
+    return err
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="session")
+def small_run(char_dataset, tmp_path_factory) -> Path:
+    """One single-process run of the tiny model: checkpoints at steps 2 and 4."""
+    run_dir = tmp_path_factory.mktemp("safety") / "run"
+    done = cli(*train_args(char_dataset, run_dir, 4))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir
+
+
+def corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# ---------------------------------------------------------------------------------------------
+# Output directories
+
+
+def test_export_never_replaces_what_it_did_not_write(small_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    before = tree(run)
+    newest = run / "checkpoints" / "step_00000004"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me too")
+    for out, needle in [
+        (run, "is the export's source"),
+        (tmp_path, "holds the export's source"),
+        (newest / "x", "is inside"),
+        (mine, "holds files that are not a previous export (notes.txt)"),
+        (a_file, "exists and is not a directory"),
+    ]:
+        one_error(cli("export", str(run), "--out", str(out)), needle)
+    assert tree(run) == before
+    assert (mine / "notes.txt").read_text() == "keep me" and a_file.read_text() == "keep me too"
+
+    # New, then a previous export: replaced whole; an empty directory is taken too.
+    out = tmp_path / "export"
+    for _ in range(2):
+        done = cli("export", str(run), "--out", str(out))
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "model.safetensors").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli("export", str(run), "--out", str(empty)).returncode == 0
+    assert tree(run) == before
+
+
+def test_render_launch_env_and_plot_keep_foreign_files(small_run, tmp_path):
+    foreign = tmp_path / "zero2.json"
+    foreign.write_text('{"train_batch_size": 8}\n')
+    one_error(
+        cli("render", "--all", "--out-dir", str(tmp_path)), "zero2.json not written by `pretrain render`"
+    )
+    assert foreign.read_text() == '{"train_batch_size": 8}\n'
+    fresh = tmp_path / "fresh"
+    assert cli("render", "--all", "--out-dir", str(fresh)).returncode == 0
+    assert cli("render", "--all", "--out-dir", str(fresh)).returncode == 0  # its own files: rewritten
+
+    env = tmp_path / ".deepspeed_env"
+    env.write_text("WANDB_API_KEY=secret\n")
+    one_error(cli("launch-env", "--output", str(env)), "WANDB_API_KEY")
+    assert env.read_text() == "WANDB_API_KEY=secret\n"
+    mine = tmp_path / "mine.env"
+    assert cli("launch-env", "--output", str(mine)).returncode == 0
+    assert cli("launch-env", "--output", str(mine)).returncode == 0  # a previous output: rewritten
+
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("model: {}\n")
+    one_error(cli("plot", str(small_run), "--out", str(cfg)), "exists and is not a PNG")
+    assert cfg.read_text() == "model: {}\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading checkpoints
+
+
+def test_every_reader_verifies_and_says_what_it_skips(small_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    newest = run / "checkpoints" / "step_00000004"
+    corrupt(newest / "mp_rank_00_model_states.pt")
+
+    # Given the run dir: the damaged newest checkpoint is skipped, and said so.
+    out = tmp_path / "export"
+    done = cli("export", str(run), "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"checkpoint {newest} is invalid, skipped" in done.stderr and "sha256 differs" in done.stderr
+    assert "(step 2," in done.stdout
+    sample = cli("sample", str(run), "--max-new-tokens", "4")
+    assert sample.returncode == 0 and f"checkpoint {newest} is invalid, skipped" in sample.stderr
+
+    # Named directly: refused, never garbage weights.
+    for argv in (["export", str(newest), "--out", str(tmp_path / "x")], ["sample", str(newest)]):
+        one_error(cli(*argv), "invalid checkpoint", "sha256 differs")
+    assert not (tmp_path / "x").exists()
+
+    # A `latest` of binary bytes, a path that is not there, a file.
+    (run / "checkpoints" / "latest").write_bytes(b"\xff\xfe\x00garbage")
+    done = cli("sample", str(run), "--max-new-tokens", "2")
+    assert done.returncode == 0 and "names no checkpoint here" in done.stderr, done.stderr[-2000:]
+    one_error(cli("sample", str(tmp_path / "nowhere")), "no such file or directory")
+    one_error(cli("export", str(run / "config.yaml"), "--out", str(out)), "not a directory")
+    one_error(cli("sample", str(tmp_path)), "no checkpoint here")
+
+
+def test_resume_reports_the_skipped_checkpoint(small_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    corrupt(run / "checkpoints" / "step_00000004" / "mp_rank_00_model_states.pt")
+    ckpt_dir = run / "checkpoints"
+    notes: list[str] = []
+    found = checkpoint.find(ckpt_dir, "auto", 1, 0, True, None, report=notes.append)
+    assert found is not None and found.step == 2
+    assert any("step_00000004 is invalid, skipped" in n for n in notes)
+    # --resume naming a run dir takes its newest valid checkpoint, as the other readers do.
+    found = checkpoint.find(ckpt_dir, str(run), 1, 0, True, None, report=notes.append)
+    assert found is not None and found.step == 2
+
+
+def test_a_crafted_pickle_is_refused_with_one_message(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    with path.open("wb") as f:
+        pickle.dump({"module": Evil()}, f, protocol=2)
+    with pytest.raises(CheckpointError, match="refused to load a checkpoint file"):
+        checkpoint.load_file(path)
+    assert not (tmp_path / "pwned").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# One run per run dir
+
+
+def test_a_second_run_in_a_run_dir_is_refused_and_kill_9_leaves_no_stale_lock(char_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen(
+        [str(BIN / "pretrain"), *train_args(char_dataset, run_dir, 100000)],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "metrics.csv").is_file():  # the first run holds the lock by now
+            assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
+            time.sleep(0.5)
+        second = cli(*train_args(char_dataset, run_dir, 4))
+        one_error(
+            second, f"run dir {run_dir} is in use by another run", f"pid {first.pid}", "logging.run_dir"
+        )
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=60)
+    # The lock died with its holder: a new run (resuming what the first one saved, if anything) runs.
+    third = cli(*train_args(char_dataset, run_dir, 4), "--resume")
+    assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-3000:]
+
+
+def test_a_foreign_run_dir_is_never_overwritten(char_dataset, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("my own notes\n")
+    one_error(cli(*train_args(char_dataset, mine, 2)), "holds config.yaml but no run's record")
+    assert (mine / "config.yaml").read_text() == "my own notes\n"
+    (tmp_path / "a_file").write_text("x")
+    one_error(
+        cli(*train_args(char_dataset, tmp_path / "a_file" / "run", 2)),
+        f"{tmp_path / 'a_file'} is a file, not a directory",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Warnings and clean errors on the way in
+
+
+def test_resume_with_another_schedule_says_the_lr_jumps(small_run, tmp_path, char_dataset):
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    done = cli(*train_args(char_dataset, run, 8), "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "this resume changes the learning-rate schedule (schedule.max_steps: 4 -> 8)" in done.stdout
+    assert "at step 4 the LR jumps from" in done.stdout
+
+
+def test_fp16_on_the_cpu_is_a_config_error(char_dataset, tmp_path):
+    done = cli(*train_args(char_dataset, tmp_path / "run", 2), "--set", "precision.fp16=true")
+    one_error(done, "precision.fp16: DeepSpeed's cpu accelerator on this machine does not support fp16")
+
+
+def test_sample_device_that_is_not_there(small_run):
+    one_error(cli("sample", str(small_run), "--device", "nonsense"), "--device 'nonsense': not usable here")
+    if not torch.cuda.is_available():
+        one_error(cli("sample", str(small_run), "--device", "cuda"), "try --device cpu")
+
+
+def test_token_ids_beyond_the_vocabulary_are_a_data_error(tmp_path):
+    from pretrain.loader import ShardedLoader
+    from pretrain.shards import ShardWriter
+
+    w = ShardWriter(tmp_path, "train", np.dtype(np.uint16), 1 << 20)
+    w.write(np.arange(200, dtype=np.uint16) % 70, [200])  # ids up to 69, "vocab" 65
+    w.close()
+    paths = sorted(tmp_path.glob("*.bin"))
+    loader = ShardedLoader(paths, 16, 2, 1, 0, 1, seed=0, verify=False, vocab_size=65)
+    with pytest.raises(DataError, match="at or beyond the vocabulary"):
+        for _ in range(20):
+            loader.next_batch()
+    ok = ShardedLoader(paths, 16, 2, 1, 0, 1, seed=0, verify=False, vocab_size=70)
+    for _ in range(20):
+        ok.next_batch()
+
+
+def test_hostfile_slot_typos(tmp_path):
+    for text, needle in [
+        ("localhost slots=1 slots=2\n", "slots given twice"),
+        ("localhost slots=" + "9" * 5000 + "\n", "at most 1024"),
+    ]:
+        (tmp_path / "h").write_text(text)
+        err = one_error(cli("hostfile", str(tmp_path / "h")), needle)
+        assert len(err) < 1000
+
+
+def test_run_record_is_json(small_run):
+    assert json.loads((small_run / "versions.json").read_text())["argv"]
+    assert (small_run / ".lock").read_text().startswith("host ")
