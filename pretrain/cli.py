@@ -625,7 +625,11 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
     hosts = read_hostfile(args.hostfile)
     cfg = _config(args, world_size(hosts))
+    # train's --resume, among the train arguments passed on: the checkpoint it would load is checked.
+    resume = argparse.ArgumentParser(add_help=False)
+    resume.add_argument("--resume", nargs="?", const="auto")
     opts = Options(
+        resume=resume.parse_known_args(args.unknown)[0].resume,
         hostfile=args.hostfile,
         hosts=hosts,
         python=args.python,
@@ -710,6 +714,7 @@ def main(argv: list[str] | None = None) -> int:
     # launch-env and preflight take `train`'s arguments (launch/*.sh pass them on), whatever they are.
     if unknown and args.command not in ("launch-env", "preflight"):
         ap.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.unknown = unknown
     try:
         return COMMANDS[args.command](args)
     except PretrainError as e:

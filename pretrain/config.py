@@ -540,13 +540,36 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+MAX_CONFIG_BYTES = 4_000_000
+MAX_CONFIG_NODES = 100_000
+
+
+def _expanded_size(node: Any, seen: dict[int, int]) -> int:
+    """Values in `node` with every shared (aliased) part counted each time it appears."""
+    if not isinstance(node, dict | list):
+        return 1
+    if id(node) not in seen:
+        seen[id(node)] = 0  # a cycle counts once
+        children = node.values() if isinstance(node, dict) else node
+        seen[id(node)] = 1 + sum(_expanded_size(c, seen) for c in children)
+    return seen[id(node)]
+
+
 def load_file(path: str | Path) -> dict[str, Any]:
     """A config file or a DeepSpeed JSON: a mapping, each key given once, UTF-8 text."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError([f"{p}: no such file"], "config file")
+        raise ConfigError([f"{p}: {'not a regular file' if p.exists() else 'no such file'}"], "config file")
     kind = "JSON" if p.suffix == ".json" else "YAML"
     try:
+        size = p.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                [
+                    f"{p}: {size:,} bytes; a config is a few KB (at most {MAX_CONFIG_BYTES:,}): is it the right file?"
+                ],
+                "config file",
+            )
         text = p.read_text(encoding="utf-8")
         data = (
             json.loads(text, object_pairs_hook=_unique_pairs)
@@ -560,9 +583,20 @@ def load_file(path: str | Path) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError([f"{p}: unreadable ({e.strerror or e})"], "config file") from None
     except (ValueError, yaml.YAMLError) as e:  # JSONDecodeError is a ValueError
-        raise ConfigError([f"{p}: not valid {kind}: {e}"], "config file") from None
+        raise ConfigError([f"{p}: not valid {kind}: {str(e)[:500]}"], "config file") from None
+    except RecursionError:
+        raise ConfigError([f"{p}: nested too deeply to be a config"], "config file") from None
     if data is None:
         return {}
+    try:
+        huge = _expanded_size(data, {}) > MAX_CONFIG_NODES  # YAML aliases can make a small file huge
+    except RecursionError:
+        huge = True
+    if huge:
+        raise ConfigError(
+            [f"{p}: nested too deeply or expands to over {MAX_CONFIG_NODES:,} values (YAML aliases?)"],
+            "config file",
+        )
     if not isinstance(data, dict):
         raise ConfigError([f"{p}: top level must be a mapping, got {type(data).__name__}"], "config file")
     return data
@@ -586,7 +620,8 @@ def validate(data: dict[str, Any], world_size: int | None = None, source: str = 
             if err["type"] == "extra_forbidden":
                 msg = f"unknown field{did_you_mean(str(err['loc'][-1]), _fields_at(err['loc'][:-1]))}"
             elif "input" in err and err["type"] not in ("value_error", "missing"):
-                msg = f"{msg} (got {err['input']!r})"
+                got = repr(err["input"])
+                msg = f"{msg} (got {got[:200]}{'...' if len(got) > 200 else ''})"
             for part in msg.split("; ") if err["type"] == "value_error" else [msg]:
                 problems.append(f"{where}: {part}" if where else part)
         raise ConfigError(problems, source) from None

@@ -33,6 +33,7 @@ def valid_host(name: str) -> bool:
     return bool(_HOST.match(name)) and ".." not in name
 
 
+MAX_HOSTFILE_BYTES = 16_000_000
 MAX_SLOTS = 1024  # accelerators one host can have; a larger count is a typo
 
 
@@ -79,8 +80,13 @@ def parse_hostfile(text: str, source: str = "<text>") -> dict[str, int]:
 def read_hostfile(path: str | Path) -> dict[str, int]:
     p = Path(path)
     if not p.is_file():
-        raise HostfileError([f"{p}: no such file"], str(p))
+        what = "not a regular file" if p.exists() else "no such file"
+        raise HostfileError([f"{p}: {what}"], str(p))
     try:
+        if (size := p.stat().st_size) > MAX_HOSTFILE_BYTES:
+            raise HostfileError(
+                [f"{size:,} bytes; a hostfile is one short line per host: is it the right file?"], str(p)
+            )
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise HostfileError(

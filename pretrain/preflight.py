@@ -24,6 +24,7 @@ from pretrain import probe
 from pretrain.config import RunConfig
 from pretrain.dataset import MANIFEST, SPLITS, dataset_dirs, resolve_vocab
 from pretrain.ds_config import render_deepspeed
+from pretrain.errors import CheckpointError
 from pretrain.files import format_bytes
 from pretrain.launch import launch_environment
 from pretrain.shards import HEADER_SIZE
@@ -65,6 +66,7 @@ class Options:
     allreduce: bool = True
     allreduce_mb: float | None = None  # None: 256 MiB on GPUs, 8 MiB on CPUs
     timeout_s: float = 120.0
+    resume: str | None = None  # train's --resume: "auto" or a path
 
 
 @dataclass
@@ -498,10 +500,53 @@ def format_report(report: Report) -> str:
     return "\n".join(lines)
 
 
+def check_run_dir(cfg: RunConfig, opts: Options, report: Report) -> None:
+    """On this machine: no other run holds the run dir, and the checkpoint `--resume` would load
+    verifies, through the reader training uses (each one it would skip is a warning)."""
+    from pretrain import checkpoint, rundir  # torch
+
+    host = next(iter(opts.hosts))
+    run_dir = cfg.run_dir()
+    holder = rundir.holder(run_dir)
+    if holder:
+        report.problems.append(
+            Problem(
+                host,
+                "run dir",
+                f"{run_dir} is in use by another run ({holder})",
+                "wait for it, stop it, or set logging.run_dir elsewhere",
+            )
+        )
+    if opts.resume is None:
+        return
+    ckpt_dir = run_dir / cfg.checkpoint.dir
+    skipped: list[str] = []
+
+    def check(p: Path) -> list[str]:
+        return checkpoint.verify(p, opts.checksums)
+
+    try:
+        if opts.resume == "auto":
+            found = checkpoint.newest_valid(ckpt_dir, check, skipped.append)
+        else:
+            found = checkpoint.locate(Path(opts.resume), check, skipped.append)
+    except CheckpointError as e:
+        report.problems.append(Problem(host, "resume", str(e), "pass a valid checkpoint, or its run dir"))
+        return
+    for note in skipped:
+        report.warnings.append(
+            Problem(host, "resume", note, "nothing to do: the run resumes from the one before")
+        )
+    if found is not None:
+        report.rows[host]["checkpoint"] = report.rows[host].get("checkpoint", "-") + f", resumes {found.name}"
+
+
 def preflight(cfg: RunConfig, opts: Options) -> Report:
     report = Report()
     answers = inspect_hosts(cfg, opts, report)
     compare(cfg, opts, answers, report)
+    if report.rows:
+        check_run_dir(cfg, opts, report)
     if opts.allreduce and not report.problems:
         time_allreduce(cfg, opts, answers, report)
     return report

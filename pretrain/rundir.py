@@ -107,6 +107,21 @@ class RunDirLock:
             self.fd = None
 
 
+def holder(run_dir: Path) -> str | None:
+    """Who holds `run_dir`'s lock now (host, pid, since), or None if no run does. Takes nothing."""
+    try:
+        fd = os.open(run_dir / LOCK, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return os.pread(fd, 512, 0).decode("utf-8", errors="replace").strip() or "unknown holder"
+    finally:
+        os.close(fd)
+    return None
+
+
 _HELD: dict[str, RunDirLock] = {}  # this process's locks, released when it exits
 
 

@@ -284,3 +284,24 @@ def test_hostfile_slot_typos(tmp_path):
 def test_run_record_is_json(small_run):
     assert json.loads((small_run / "versions.json").read_text())["argv"]
     assert (small_run / ".lock").read_text().startswith("host ")
+
+
+def test_preflight_checks_the_resume_checkpoint_and_the_run_dir_lock(small_run, tmp_path, char_dataset):
+    from pretrain import rundir
+
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    corrupt(run / "checkpoints" / "step_00000004" / "mp_rank_00_model_states.pt")
+    (tmp_path / "hosts").write_text("localhost slots=1\n")
+    args = ["preflight", "--hostfile", str(tmp_path / "hosts"), "--no-ssh", "--no-allreduce"]
+    args += train_args(char_dataset, run, 4)[1:]
+    done = cli(*args, "--resume")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "resumes step_00000002" in done.stdout and "step_00000004 is invalid, skipped" in done.stdout
+
+    lock = rundir.claim(run, run / "checkpoints")  # this process holds the run dir now
+    try:
+        done = cli(*args)
+        assert done.returncode == 1 and f"is in use by another run (host {os.uname().nodename}" in done.stdout
+    finally:
+        lock.release()
