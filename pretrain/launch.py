@@ -55,7 +55,7 @@ def parse_hostfile(text: str, source: str = "<text>") -> dict[str, int]:
         rest = line[m.end() :]
         if rest and not rest[0].isspace():
             problems.append(f"{where}: slots must be a whole number followed by a space or the end")
-        elif "slots=" in rest:
+        elif re.search(r"(^|\s)slots=", rest):
             problems.append(f"{where}: slots given twice; give one 'slots=<N>' per line")
         elif slots > MAX_SLOTS:
             problems.append(
