@@ -334,6 +334,9 @@ def _supervise(args: argparse.Namespace) -> int:
     return rc
 
 
+RESTART_COUNTS = ("PRETRAIN_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     import torch.distributed as tdist  # torch and DeepSpeed: only for the commands that run them
 
@@ -362,8 +365,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if error[0] is not None:
         raise DataError(error[0])
     resume = args.resume
-    restarts = os.environ.get("PRETRAIN_RESTART_COUNT") or os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    # Restarted after a failure (train --max-restarts): continue from the newest checkpoint.
+    restarts = next((os.environ[v] for v in RESTART_COUNTS if os.environ.get(v, "").isdigit()), None)
+    # Restarted after a failure (train --max-restarts, torchrun, a requeued Slurm job): continue
+    # from the newest checkpoint.
     if int(restarts or "0") > 0 and (
         resume in (None, "auto") or committed_tags(cfg.run_dir() / cfg.checkpoint.dir)[0]
     ):

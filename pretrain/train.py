@@ -260,6 +260,12 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
     if dist.is_main:
         try:
             rundir.claim(run_dir, ckpt_dir)
+            if not resume and (tags := checkpoint.committed_tags(ckpt_dir)[0]):
+                raise OutputError(
+                    f"{run_dir} holds the checkpoints of an earlier run (newest {tags[-1]}); a new run there "
+                    "would mix its checkpoints with them: continue it with --resume, or set logging.run_dir "
+                    f"to a new directory (or remove {ckpt_dir} yourself)"
+                )
             rundir.record(run_dir, cfg, ds_config)
         except OutputError as e:
             refused = str(e)

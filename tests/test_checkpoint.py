@@ -265,9 +265,9 @@ def test_resume_auto_falls_back_past_invalid_checkpoints(two_ranks, tmp_path):
     assert found is not None and found.tag == "step_00000003" and found.step == 3
     text = "\n".join(reports)
     assert "step_00000010: newer than `latest` (step_00000008), its save did not finish; ignored" in text
-    assert "step_00000008 is invalid, trying the previous one" in text
+    assert "step_00000008 is invalid, skipped; trying the previous one" in text
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt: 1000 bytes, expected" in text
-    assert "step_00000006 is invalid, trying the previous one" in text
+    assert "step_00000006 is invalid, skipped; trying the previous one" in text
     assert "mp_rank_00_model_states.pt: sha256 differs from the one recorded at save" in text
     # without checksums a flipped byte goes unseen: step 6 is picked
     assert checkpoint.find(ck, "auto", 2, 2, False, None, report=reports.append).tag == "step_00000006"  # type: ignore[union-attr]

@@ -305,3 +305,11 @@ def test_preflight_checks_the_resume_checkpoint_and_the_run_dir_lock(small_run, 
         assert done.returncode == 1 and f"is in use by another run (host {os.uname().nodename}" in done.stdout
     finally:
         lock.release()
+
+
+def test_a_new_run_never_mixes_with_an_earlier_runs_checkpoints(small_run, tmp_path, char_dataset):
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    before = tree(run / "checkpoints")
+    one_error(cli(*train_args(char_dataset, run, 4)), "holds the checkpoints of an earlier run", "--resume")
+    assert tree(run / "checkpoints") == before
