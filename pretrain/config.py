@@ -461,8 +461,8 @@ class WatchdogConfig(Section):
         3600,
         ge=0,
         description="The allowance instead of timeout_s for what legitimately takes long: the first step "
-        "of a run or of a resume (compilation, warm-up), an evaluation, a checkpoint save. 0: those are "
-        "not watched.",
+        "of a run or of a resume (compilation, warm-up), an evaluation, a checkpoint save, a rollback. 0: "
+        "those are not watched.",
     )
 
     def broken_rules(self, context: dict[str, Any]) -> list[str]:

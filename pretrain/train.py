@@ -155,6 +155,7 @@ def _train(cfg: RunConfig, dist: Dist, resume: bool | str | None, dog: Watchdog)
         # is tried for the same step (DeepSpeed skipped the update); M in a row roll back.
         bad, stopping = agree(step_loss, stop.signum, run.ctrl)
         if bad:
+            dog.slow("the retry after a non-finite loss (or its rollback)", at.step)
             if _on_bad_step(run, at, batch_start):
                 interval.reset()
             continue
