@@ -447,6 +447,33 @@ class LaunchConfig(Section):
         return problems
 
 
+class WatchdogConfig(Section):
+    """The hang watchdog: a run whose steps stop completing dumps every rank's stacks and exits, so
+    that a supervisor (`train --max-restarts`, Slurm) restarts it from the newest checkpoint."""
+
+    timeout_s: int = Field(
+        1800,
+        ge=0,
+        description="Seconds a step may take, counted from the end of the previous one, before every "
+        "rank writes its Python stacks to <run_dir>/hang/ and the run exits with code 124. 0: no watchdog.",
+    )
+    slow_timeout_s: int = Field(
+        3600,
+        ge=0,
+        description="The allowance instead of timeout_s for what legitimately takes long: the first step "
+        "of a run or of a resume (compilation, warm-up), an evaluation, a checkpoint save, a rollback. 0: "
+        "those are not watched.",
+    )
+
+    def broken_rules(self, context: dict[str, Any]) -> list[str]:
+        if self.timeout_s and self.slow_timeout_s and self.slow_timeout_s < self.timeout_s:
+            return [
+                f"slow_timeout_s ({self.slow_timeout_s}) is below timeout_s ({self.timeout_s}): the "
+                "allowance for the first step, evaluations and saves must be at least a step's"
+            ]
+        return []
+
+
 class RunConfig(Section):
     preset: str = Field("tiny", description="Name of the preset this run started from.")
     seed: int = Field(1337, ge=0, description="Seed of the model init and of everything random in training.")
@@ -462,6 +489,10 @@ class RunConfig(Section):
     launch: LaunchConfig = Field(
         default_factory=LaunchConfig,
         description="Multi-node launch environment: NCCL/gloo variables, timeouts.",
+    )
+    watchdog: WatchdogConfig = Field(
+        default_factory=WatchdogConfig,
+        description="Hang watchdog: stacks of every rank and a restartable exit when steps stop completing.",
     )
     deepspeed_extra: dict[str, Any] = Field(
         default_factory=dict,

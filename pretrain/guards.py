@@ -5,9 +5,11 @@ fault-injection hooks the tests use.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +96,11 @@ class Faults:
     - PRETRAIN_FAULT_KILL_IN_SAVE="STEP": rank 0 sends itself SIGKILL while saving step STEP,
       after writing its first file;
     - PRETRAIN_FAULT_SIGTERM="RANK:STEP": that rank sends itself SIGTERM after step STEP (the run
-      then saves after the next step, on every rank, and stops).
-    Each kill happens once per run directory (a marker file `.fault-*` remembers it), so a
+      then saves after the next step, on every rank, and stops);
+    - PRETRAIN_FAULT_HANG="RANK:STEP": that rank hangs after step STEP, asleep with the GIL released
+      (as in a stuck read), while the others wait for it in the next step's collectives;
+      "RANK:STEP:gil": in a C call that holds the GIL (the watchdog's C fallback must catch it).
+    Each kill or hang happens once per run directory (a marker file `.fault-*` remembers it), so a
     supervised restart gets past it.
     """
 
@@ -110,6 +115,9 @@ class Faults:
         self.kill_in_save = int(in_save) if in_save else None
         term = env.get("PRETRAIN_FAULT_SIGTERM", "")
         self.sigterm = tuple(int(x) for x in term.split(":")) if term else None
+        hang = env.get("PRETRAIN_FAULT_HANG", "").split(":")
+        self.hang = (int(hang[0]), int(hang[1])) if len(hang) >= 2 else None
+        self.hang_holds_gil = hang[2:] == ["gil"]
 
     def nan(self, batch_start: int, rank: int) -> bool:
         return rank == 0 and batch_start in self.nan_batches
@@ -119,6 +127,8 @@ class Faults:
             self._die(f"kill-{rank}-{step}")
         if self.sigterm is not None and self.sigterm == (rank, step):
             os.kill(os.getpid(), signal.SIGTERM)
+        if self.hang is not None and self.hang == (rank, step):
+            self._hang(f"hang-{rank}-{step}")
 
     def kill_in_save_hook(self, step: int, rank: int) -> Any:
         if self.kill_in_save != step or rank != 0:
@@ -126,9 +136,25 @@ class Faults:
         return lambda path: self._die(f"kill-in-save-{step}")
 
     def _die(self, name: str) -> None:
+        if self._once(name):
+            print(f"fault injection: SIGKILL to pid {os.getpid()} ({name})", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _hang(self, name: str) -> None:
+        if not self._once(name):
+            return
+        how = "in a C call holding the GIL" if self.hang_holds_gil else "asleep"
+        print(f"fault injection: pid {os.getpid()} hangs {how} from {time.time():.3f} ({name})", flush=True)
+        if self.hang_holds_gil:
+            libc = ctypes.PyDLL(None)  # a PyDLL call keeps the GIL; sleep(3) is libc's
+            while True:
+                libc.sleep(3600)
+        while True:
+            time.sleep(3600)
+
+    def _once(self, name: str) -> bool:
         marker = self.run_dir / f".fault-{name}"
         if marker.exists():
-            return
+            return False
         marker.write_text("fired\n")
-        print(f"fault injection: SIGKILL to pid {os.getpid()} ({name})", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+        return True

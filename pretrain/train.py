@@ -36,6 +36,7 @@ from pretrain.metrics import (
 from pretrain.model import analytic_num_params
 from pretrain.schedule import lr_at
 from pretrain.tokenizer import Tokenizer, load_tokenizer
+from pretrain.watchdog import Watchdog
 
 
 @dataclass
@@ -97,12 +98,18 @@ class Interval:
 def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> TrainResult:
     """Train `cfg` on this rank. `resume`: "auto" (or True) continues from the newest valid
     checkpoint in the run's checkpoint dir, if any; a path continues from that checkpoint."""
+    with Watchdog(cfg.watchdog, cfg.run_dir(), dist.rank, dist.world_size) as dog:
+        return _train(cfg, dist, resume, dog)
+
+
+def _train(cfg: RunConfig, dist: Dist, resume: bool | str | None, dog: Watchdog) -> TrainResult:
     run = setup(cfg, dist, resume)
     cfg, engine, train_data, b = run.cfg, run.engine, run.train_data, run.cfg.batch
     at = Progress()
     if run.resume_from is not None:
         _restore(run, run.resume_from, at)
     start_step = at.step
+    dog.slow("the first step", at.step)  # the hang watchdog: see watchdog.py
     saved = _constant_state(run)
     faults = Faults(cfg.run_dir(), b.train_batch_size)  # type: ignore[arg-type]
     stop = StopOnSignal().install()
@@ -148,6 +155,7 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
         # is tried for the same step (DeepSpeed skipped the update); M in a row roll back.
         bad, stopping = agree(step_loss, stop.signum, run.ctrl)
         if bad:
+            dog.slow("the retry after a non-finite loss (or its rollback)", at.step)
             if _on_bad_step(run, at, batch_start):
                 interval.reset()
             continue
@@ -167,12 +175,14 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
         # 4. evaluate
         evaluated = at.step % cfg.logging.eval_interval == 0 or last
         if evaluated:
+            dog.slow("the evaluation", at.step)
             val_loss, val_ppl = evaluate(engine, run.val_data, cfg.logging.eval_batches)
             log.log(at.step, samples=int(engine.global_samples), val_loss=val_loss, val_ppl=val_ppl)
             interval.t0 = time.perf_counter()
 
         # 5. checkpoint: every interval, at the end, and when a signal asks the run to stop
         if at.step % cfg.checkpoint.interval == 0 or last or stopping:
+            dog.slow("the checkpoint save", at.step)
             state = {
                 **saved,
                 "step": at.step,
@@ -193,9 +203,11 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
                 f"stopped by {signal.Signals(stopping).name} at step {at.step}; resume with --resume auto"
             )
             break
+        dog.beat(at.step)
         faults.after_step(at.step, dist.rank)
 
     stop.uninstall()
+    dog.close()
     text = None
     if cfg.logging.sample_tokens > 0 and not stopping:
         text = sample(

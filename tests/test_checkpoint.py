@@ -355,3 +355,7 @@ def test_faults_parse_and_fire_once(tmp_path):
     (tmp_path / ".fault-kill-1-7").write_text("fired\n")
     f.after_step(7, 1)  # already fired: no kill
     assert f.kill_in_save_hook(3, 0) is None
+    f = guards.Faults(tmp_path, 8, env={"PRETRAIN_FAULT_HANG": "1:4:gil"})
+    assert f.hang == (1, 4) and f.hang_holds_gil
+    (tmp_path / ".fault-hang-1-4").write_text("fired\n")
+    f.after_step(4, 1)  # already fired: no hang
