@@ -345,7 +345,10 @@ def available_monitors(ds_config: dict[str, Any], warn: bool = True) -> dict[str
         if out.get(key, {}).get("enabled") and importlib.util.find_spec(module) is None:
             out.pop(key)
             if warn:
-                print(f"logging.{key} is on but `{module}` is not installed: not logging to it", flush=True)
+                fix = " (pip install 'pretrain[wandb]')" if key == "wandb" else ""
+                print(
+                    f"logging.{key} is on but `{module}` is not installed{fix}: not logging to it", flush=True
+                )
     return out
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pretrain.errors import DataError
+from pretrain.errors import DataError, require
 from pretrain.metrics import read_csv
 
 
@@ -27,8 +27,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     if not any(r.get("loss") is not None for r in rows):
         raise DataError(f"{path}: no training steps logged yet")
 
-    import matplotlib  # only to draw: seconds to import
-
+    matplotlib = require("matplotlib", "`pretrain plot`", "plot")  # only to draw: seconds to import
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
     from matplotlib.ticker import EngFormatter

@@ -50,8 +50,8 @@ from pretrain.corpus import (
     shingle_hashes,
 )
 from pretrain.dataset import MANIFEST, MANIFEST_VERSION, SPLITS, TOKENIZER_FILE, load_manifest, open_datasets
-from pretrain.dedup import ExactDedup, MinHasher, NearDedup, exact_hash
-from pretrain.errors import DataError
+from pretrain.dedup import NEAR_DEDUP, ExactDedup, MinHasher, NearDedup, exact_hash
+from pretrain.errors import DataError, require
 from pretrain.files import format_bytes, replace_dir, write_atomic
 from pretrain.shards import ShardInfo, ShardWriter, dtype_for_vocab
 from pretrain.tokenizer import (
@@ -719,6 +719,8 @@ def prepare(cfg: DataConfig, force: bool = False, log: Callable[[str], None] | N
     if cfg.blend:
         return open_datasets(cfg)[0].dir
     out = cfg.resolved_dir()
+    if cfg.clean.near_dedup:
+        require("datasketch", NEAR_DEDUP, "near-dedup")  # before any pass over the corpus
     if not force and _up_to_date(out, cfg, input_fingerprint(cfg, fetch=False)):
         if log:
             log(f"{out}: already prepared from this corpus and config (--force rebuilds it)")
