@@ -24,6 +24,7 @@ import glob
 import gzip
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -419,7 +420,7 @@ def file_chunks(
     text_split_bytes (each piece then a document); a parquet file by row group; a dataset's
     Arrow file in row ranges of about chunk_bytes; a stream in runs of rows of that size."""
     if file.format == "parquet":
-        yield from _parquet_chunks(file, text_field)
+        yield from _parquet_chunks(file, text_field, chunk_bytes)
         return
     if file.format == "arrow":
         yield from _arrow_chunks(file, chunk_bytes, text_field)
@@ -573,8 +574,11 @@ def _check_column(path: Path, names: list[str], text_field: str) -> None:
         )
 
 
-def _parquet_chunks(file: InputFile, text_field: str) -> Iterator[Chunk]:
-    """One chunk per row group; its share of the file is its compressed size."""
+def _parquet_chunks(file: InputFile, text_field: str, chunk_bytes: int) -> Iterator[Chunk]:
+    """One chunk per row group, which a worker reads itself; its share of the file is its
+    compressed size. A row group of over 4 chunk_bytes (pyarrow writes a file of under a million
+    rows as one) is read here and handed out in runs of rows of about chunk_bytes, so that the
+    workers share it."""
     pf = _parquet_file(file.path)
     meta = pf.metadata
     _check_column(file.path, pf.schema_arrow.names, text_field)
@@ -587,7 +591,30 @@ def _parquet_chunks(file: InputFile, text_field: str) -> Iterator[Chunk]:
             if last
             else sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))
         )
-        yield Chunk(file.name, file.path, "parquet", row, row + rg.num_rows, g, last, share)
+        whole = Chunk(file.name, file.path, "parquet", row, row + rg.num_rows, g, last, share)
+        if rg.total_byte_size <= 4 * chunk_bytes or rg.num_rows <= 1:
+            yield whole
+        else:
+            texts = _row_texts(whole, text_field)
+            ends = np.cumsum([len(t) if t is not None else 0 for t in texts])
+            targets = np.arange(chunk_bytes, int(ends[-1]), chunk_bytes)
+            cuts = sorted({0, *(int(i) + 1 for i in np.searchsorted(ends, targets)), len(texts)})
+            given = 0
+            for a, b in itertools.pairwise(cuts):
+                end = b == len(texts)
+                part = share - given if end else share * (b - a) // len(texts)
+                yield Chunk(
+                    file.name,
+                    file.path,
+                    "parquet",
+                    row + a,
+                    row + b,
+                    g,
+                    last and end,
+                    part,
+                    texts=tuple(texts[a:b]),
+                )
+                given += part
         row, done = row + rg.num_rows, done + share
 
 

@@ -72,6 +72,14 @@ def test_parquet_prepare_is_the_same_for_any_worker_count(tmp_path: Path) -> Non
     assert load_manifest(b)["report"]["workers"] == 2
     assert all_shards(a) == all_shards(b)
     assert load_manifest(a)["report"]["documents_out"] == 300
+    # one large row group (pyarrow's default under a million rows): read by the main process and
+    # shared out in runs of rows; the same documents under the same names, so the same shards
+    (tmp_path / "one").mkdir()
+    write_parquet(tmp_path / "one" / "a.parquet", texts(), row_group_size=1 << 20)
+    assert pq.ParquetFile(tmp_path / "one" / "a.parquet").metadata.num_row_groups == 1
+    one = {**common, "corpus": str(tmp_path / "one" / "a.parquet")}
+    c = prepare(DataConfig(**one, workers=2, dataset_dir=str(tmp_path / "c")))  # type: ignore[arg-type]
+    assert load_manifest(c)["report"]["workers"] == 2 and all_shards(c) == all_shards(a)
 
 
 # ---------------------------------------------------------------------------------------------
