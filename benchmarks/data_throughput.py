@@ -171,6 +171,7 @@ def bench_formats(corpus: Path, work: Path, workers: int, tokenizer_path: str | 
     for name, path in inputs.items():
         print(f"  {name:16s} {path.stat().st_size / 1e6:8.1f} MB on disk")
     rates: dict[str, list[float]] = {k: [] for k in inputs}
+    cpu: dict[str, list[float]] = {k: [] for k in inputs}  # CPU s per MB: the load of others changes it less
     for r in range(rounds):
         for name, path in inputs.items():
             cfg = DataConfig(
@@ -183,16 +184,19 @@ def bench_formats(corpus: Path, work: Path, workers: int, tokenizer_path: str | 
             t = time.perf_counter()
             out = prepare(cfg, force=True)
             rates[name].append(mb / (time.perf_counter() - t))
-            assert load_manifest(out)["report"]["documents_out"] > 0
+            report = load_manifest(out)["report"]
+            assert report["documents_out"] > 0
+            cpu[name].append((report["cpu_seconds"]["tasks"] + report["cpu_seconds"]["main"]) / mb)
         print(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} MB/s" for k, v in rates.items()))
     for name in inputs:
         if name == "jsonl":
             continue
         ratios = sorted(a / b for a, b in zip(rates[name], rates["jsonl"], strict=True))
         goal = " (goal >= 0.8)" if name.startswith("parquet") else ""
+        cpu_ratio = sorted(b / a for a, b in zip(cpu[name], cpu["jsonl"], strict=True))[len(ratios) // 2]
         print(
             f"{name} / jsonl: {ratios[len(ratios) // 2]:.2f}x median of {len(ratios)} rounds "
-            f"({', '.join(f'{x:.2f}' for x in ratios)}){goal}"
+            f"({', '.join(f'{x:.2f}' for x in ratios)}){goal}; by CPU time per MB: {cpu_ratio:.2f}x"
         )
 
 
