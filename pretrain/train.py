@@ -276,7 +276,7 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
             run_dir,
             ds_config,
             {**cfg.model_dump(mode="json"), "world_size": dist.world_size},
-            resume_from is not None,
+            bool(resume),  # --resume, or a supervised restart: the same W&B run
         )
     engine = ds_engine.initialize(cfg, ds_engine.build_model(cfg, ds_config), ds_config)
     # Weights come from one seed on every rank; what is random in training (dropout) must differ
