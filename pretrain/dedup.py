@@ -17,6 +17,10 @@ import hashlib
 
 import numpy as np
 
+from pretrain.errors import require
+
+NEAR_DEDUP = "near-duplicate removal (data.clean.near_dedup)"
+
 MINHASH_SEED = 1
 
 
@@ -68,7 +72,8 @@ class MinHasher:
     """A document's MinHash signature from its shingle hashes (datasketch, 'affine32' scheme)."""
 
     def __init__(self, num_perm: int) -> None:
-        from datasketch import MinHash  # with scipy: only when near dedup is on
+        # datasketch, with scipy: only when near dedup is on (the near-dedup extra)
+        MinHash = require("datasketch", NEAR_DEDUP, "near-dedup").MinHash
 
         # hashfunc=int: the shingles come already hashed to 32 bits (corpus.shingle_hashes).
         self._m = MinHash(num_perm=num_perm, seed=MINHASH_SEED, hashfunc=int)
@@ -84,10 +89,9 @@ class NearDedup:
     earlier kept one (estimated Jaccard similarity about `threshold` or more) is a near duplicate."""
 
     def __init__(self, threshold: float, num_perm: int) -> None:
-        from datasketch import LeanMinHash, MinHashLSH  # with scipy: only when near dedup is on
-
-        self._lean = LeanMinHash
-        self._lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
+        datasketch = require("datasketch", NEAR_DEDUP, "near-dedup")
+        self._lean = datasketch.LeanMinHash
+        self._lsh = datasketch.MinHashLSH(threshold=threshold, num_perm=num_perm)
         self.size = 0
 
     def seen(self, key: int, signature: np.ndarray) -> bool:

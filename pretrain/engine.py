@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from pretrain.config import RunConfig
-from pretrain.errors import ConfigError
+from pretrain.errors import ConfigError, require
 from pretrain.model import GPT
 
 
@@ -92,7 +92,8 @@ def _env_from_slurm() -> None:
 
 
 def _env_from_mpi() -> None:
-    from mpi4py import MPI  # only under an MPI launcher: importing it initialises MPI
+    # Only under an MPI launcher: importing it initialises MPI.
+    MPI = require("mpi4py.MPI", "an MPI launcher (mpirun, srun --mpi)", "mpi")
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

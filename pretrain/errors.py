@@ -8,6 +8,8 @@ that escapes is a bug.
 from __future__ import annotations
 
 import difflib
+import importlib
+from types import ModuleType
 
 
 class PretrainError(Exception):
@@ -46,6 +48,21 @@ class HostfileError(PretrainError, ValueError):
 
 class DataError(PretrainError):
     """A data problem: the message names the file and the problem."""
+
+
+class MissingExtraError(PretrainError, ImportError):
+    """An optional feature whose package is not installed: the message names the extra to install."""
+
+
+def require(module: str, feature: str, extra: str) -> ModuleType:
+    """Import `module` for `feature`, or raise MissingExtraError naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise MissingExtraError(
+            f"{feature} needs `{module.partition('.')[0]}`, which is not installed ({e}): "
+            f"pip install 'pretrain[{extra}]' (in a checkout: .venv/bin/pip install -e '.[{extra}]')"
+        ) from e
 
 
 class CheckpointError(PretrainError, RuntimeError):

@@ -16,6 +16,7 @@ import math
 import os
 import platform
 import resource
+import secrets
 import sys
 import time
 from dataclasses import dataclass
@@ -59,6 +60,9 @@ RANK_FIELDS = [
     "optimizer_s",
     "peak_mem_gb",
 ]
+# starts.csv: one row per start of the run's training (a first start, or a resume), for `pretrain plot`.
+START_FIELDS = ["step", "world_size", "time"]
+
 PHASES = ("data", "fwd_bwd", "optimizer")
 
 # ---------------------------------------------------------------------------------------------
@@ -345,8 +349,43 @@ def available_monitors(ds_config: dict[str, Any], warn: bool = True) -> dict[str
         if out.get(key, {}).get("enabled") and importlib.util.find_spec(module) is None:
             out.pop(key)
             if warn:
-                print(f"logging.{key} is on but `{module}` is not installed: not logging to it", flush=True)
+                fix = " (pip install 'pretrain[wandb]')" if key == "wandb" else ""
+                print(
+                    f"logging.{key} is on but `{module}` is not installed{fix}: not logging to it", flush=True
+                )
     return out
+
+
+WANDB_RUN_ID = "wandb_run_id"  # in the run directory: the W&B run a resume continues
+
+
+def start_wandb(run_dir: Path, ds_config: dict[str, Any], config: dict[str, Any], resuming: bool) -> Any:
+    """Start the W&B run before DeepSpeed's monitor does (rank 0, logging.wandb on and installed):
+    named after the run directory, with the resolved config, and with the id kept in the run
+    directory, so that a resume (or a supervisor's restart) continues the same W&B run. DeepSpeed's
+    own `wandb.init` then returns this run. Returns it, or None when W&B is off."""
+    section = ds_config.get("wandb", {})
+    if not section.get("enabled"):
+        return None
+    import wandb  # seconds: only with W&B on
+
+    id_file = run_dir / WANDB_RUN_ID
+    run_id = id_file.read_text().strip() if resuming and id_file.is_file() else None
+    if not run_id:
+        run_id = secrets.token_hex(6)  # a W&B run id: [a-z0-9]
+        write_atomic(id_file, run_id + "\n")
+    run = wandb.init(
+        project=section.get("project"),
+        group=section.get("group"),
+        entity=section.get("team"),
+        name=run_dir.resolve().name,
+        id=run_id,
+        resume="allow",
+        dir=str(run_dir),
+    )
+    # After init: a resumed run's config takes the new values (a changed world size, say).
+    run.config.update(config, allow_val_change=True)
+    return run
 
 
 def progress_enabled(mode: bool | str, stream: IO[str] = sys.stderr) -> bool:
@@ -386,6 +425,7 @@ class MetricsLog:
         monitor: Any = None,
         start_step: int = 0,
         progress: bool | str = False,
+        world_size: int | None = None,
     ) -> None:
         self.enabled = enabled
         self.max_steps = max_steps
@@ -398,6 +438,13 @@ class MetricsLog:
             return
         self._file, self._csv = _open_csv(self.path, FIELDS)
         self._rank_file, self._rank_csv = _open_csv(run_dir / "ranks.csv", RANK_FIELDS)
+        if world_size is None:
+            world_size = tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
+        starts, writer = _open_csv(run_dir / "starts.csv", START_FIELDS)
+        with starts:
+            writer.writerow(
+                {"step": start_step, "world_size": world_size, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            )
         if progress_enabled(progress):
             self.bar = tqdm(
                 total=max_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr

@@ -1,11 +1,16 @@
-"""`pretrain plot RUN_DIR`: a PNG of a run's metrics.csv: loss (train and val), LR and tokens/s."""
+"""`pretrain plot RUN_DIR`: a PNG of a run's metrics.csv: loss (train and val), LR and tokens/s, with
+its resumes and world-size changes marked (from starts.csv, which each start of training appends to)."""
 
 from __future__ import annotations
 
+import csv
+import itertools
 from pathlib import Path
 
-from pretrain.errors import DataError
+from pretrain.errors import DataError, require
 from pretrain.metrics import read_csv
+
+STARTS = "starts.csv"
 
 
 def _series(rows: list[dict[str, float | None]], key: str) -> tuple[list[float], list[float]]:
@@ -18,6 +23,21 @@ def _series(rows: list[dict[str, float | None]], key: str) -> tuple[list[float],
     return xs, ys
 
 
+def run_events(run_dir: Path) -> list[tuple[int, str]]:
+    """(step, label) of each resume (or restart) of the run, naming a world-size change, from
+    starts.csv; none for a run without one (written before it existed)."""
+    path = run_dir / STARTS
+    if not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        starts = [(int(r["step"]), int(r["world_size"])) for r in csv.DictReader(f) if r.get("step")]
+    events = []
+    for (_, before), (step, world) in itertools.pairwise(starts):
+        label = f"resume at step {step}" if step else "restart from step 0"
+        events.append((step, label + (f", world size {before} → {world}" if world != before else "")))
+    return events
+
+
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     """Write `<run_dir>/metrics.png` (or `out`) and return its path."""
     path = run_dir / "metrics.csv"
@@ -27,8 +47,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     if not any(r.get("loss") is not None for r in rows):
         raise DataError(f"{path}: no training steps logged yet")
 
-    import matplotlib  # only to draw: seconds to import
-
+    matplotlib = require("matplotlib", "`pretrain plot`", "plot")  # only to draw: seconds to import
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
     from matplotlib.ticker import EngFormatter
@@ -61,6 +80,22 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     ax_tps.set_title("Throughput")
     ax_tps.set_xlabel("optimizer step")
     ax_tps.grid(alpha=0.3)
+
+    for step, label in run_events(run_dir):
+        resized = "world size" in label
+        for ax in (ax_loss, ax_lr, ax_tps):
+            ax.axvline(step, color="tab:red" if resized else "tab:gray", linestyle=":", linewidth=1.2)
+        ax_loss.annotate(
+            label,
+            xy=(step, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -3),
+            textcoords="offset points",
+            rotation=90,
+            va="top",
+            fontsize=8,
+            color="tab:red" if resized else "tab:gray",
+        )
 
     out = out or run_dir / "metrics.png"
     fig.savefig(out, dpi=110)

@@ -24,6 +24,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Generator, Iterator
@@ -41,6 +42,7 @@ from pretrain.corpus import (
     Cleaner,
     CleanStats,
     Document,
+    HFOptions,
     format_of,
     iter_input_files,
     plan_tasks,
@@ -48,8 +50,8 @@ from pretrain.corpus import (
     shingle_hashes,
 )
 from pretrain.dataset import MANIFEST, MANIFEST_VERSION, SPLITS, TOKENIZER_FILE, load_manifest, open_datasets
-from pretrain.dedup import ExactDedup, MinHasher, NearDedup, exact_hash
-from pretrain.errors import DataError
+from pretrain.dedup import NEAR_DEDUP, ExactDedup, MinHasher, NearDedup, exact_hash
+from pretrain.errors import DataError, require
 from pretrain.files import format_bytes, replace_dir, write_atomic
 from pretrain.shards import ShardInfo, ShardWriter, dtype_for_vocab
 from pretrain.tokenizer import (
@@ -74,13 +76,20 @@ NOT_OUTPUT_FIELDS = frozenset(
         "prefetch",
         "verify_shards",
         "dataset_dir",
+        "hf_streaming",
     }
 )
+# Output fields that older manifests lack: left out of the comparison while at their defaults.
+_NEW_OUTPUT_DEFAULTS: dict[str, Any] = {"hf_config": None, "hf_split": "train"}
 _OWN_FILES = (MANIFEST, TOKENIZER_FILE, BPE_RANKS_FILE)
 
 
 def output_config(cfg: DataConfig) -> dict[str, Any]:
-    return {k: v for k, v in cfg.model_dump(mode="json").items() if k not in NOT_OUTPUT_FIELDS}
+    return {
+        k: v
+        for k, v in cfg.model_dump(mode="json").items()
+        if k not in NOT_OUTPUT_FIELDS and not (k in _NEW_OUTPUT_DEFAULTS and v == _NEW_OUTPUT_DEFAULTS[k])
+    }
 
 
 def is_val_document(name: str, seed: int, val_fraction: float) -> bool:
@@ -263,11 +272,12 @@ def _worker_count(cfg: DataConfig) -> int:
 
 
 def _inputs(cfg: DataConfig) -> Iterator[Any]:
-    return iter_input_files(cfg.corpus, cfg.format, cfg.download_dir, cfg.source)
+    hf = HFOptions(cfg.hf_config, cfg.hf_split, cfg.hf_streaming)
+    return iter_input_files(cfg.corpus, cfg.format, cfg.download_dir, cfg.source, hf)
 
 
 def _tasks(cfg: DataConfig) -> Iterator[list[Chunk]]:
-    return plan_tasks(_inputs(cfg), cfg.chunk_bytes, cfg.text_split_bytes)
+    return plan_tasks(_inputs(cfg), cfg.chunk_bytes, cfg.text_split_bytes, cfg.text_field)
 
 
 def input_fingerprint(cfg: DataConfig, fetch: bool = True) -> dict[str, Any]:
@@ -298,26 +308,100 @@ class _Held:
     task: list[Chunk]
 
 
-def _progress(log: Callable[[str], None] | None, every_s: float = 10.0) -> Callable[[str], None]:
-    last = [time.perf_counter()]
+class Progress:
+    """Input bytes read of the total, with the rate and an ETA: a tqdm bar on a terminal, else a
+    line through `log` every `every_s` seconds and one at the end. Nothing without a log."""
 
-    def tick(msg: str) -> None:
-        if log is not None and time.perf_counter() - last[0] >= every_s:
-            last[0] = time.perf_counter()
-            log(msg)
+    def __init__(
+        self,
+        what: str,
+        total: int | None,
+        log: Callable[[str], None] | None,
+        terminal: bool | None = None,
+        every_s: float = 10.0,
+    ) -> None:
+        self.what, self.total, self.log, self.every_s = what, total or None, log, every_s
+        self.done, self.kept = 0, 0
+        self.t0 = self.last = time.perf_counter()
+        self.bar: Any = None
+        if log is not None and (sys.stderr.isatty() if terminal is None else terminal):
+            from tqdm import tqdm
 
-    return tick
+            self.bar = tqdm(
+                total=self.total,
+                desc=what,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1000,
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
+
+    def update(self, n_bytes: int, kept: int | None = None) -> None:
+        self.done += n_bytes
+        if kept is not None:
+            self.kept = kept
+        if self.bar is not None:
+            self.bar.update(n_bytes)
+            if kept is not None:
+                self.bar.set_postfix(docs=f"{kept:,}", refresh=False)
+        elif self.log is not None and time.perf_counter() - self.last >= self.every_s:
+            self.last = time.perf_counter()
+            self.log(self.line())
+
+    def line(self) -> str:
+        """'prepare: 45% (68.0 of 150.0 MB), 12.3 MB/s, ETA 7s, 12,345 documents kept'."""
+        seconds = max(time.perf_counter() - self.t0, 1e-9)
+        rate = self.done / seconds
+        parts = [f"{self.what}: "]
+        if self.total:
+            parts.append(f"{min(100.0, 100 * self.done / self.total):.0f}% ")
+            parts.append(f"({self.done / 1e6:,.1f} of {self.total / 1e6:,.1f} MB), ")
+        else:
+            parts.append(f"{self.done / 1e6:,.1f} MB, ")
+        parts.append(f"{rate / 1e6:,.1f} MB/s")
+        if self.total:
+            left = max(self.total - self.done, 0) / rate if rate > 0 else float("inf")
+            parts.append(f", ETA {_eta(left)}")
+        if self.kept:
+            parts.append(f", {self.kept:,} documents kept")
+        return "".join(parts)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.log is not None:
+            self.log(self.line())
+
+
+def _eta(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "?"
+    m, s = divmod(round(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def _task_bytes(task: list[Chunk]) -> int:
+    return sum(c.input_bytes for c in task)
 
 
 def _fit_tokenizer(
-    cfg: DataConfig, workers: _Workers, setup: _Setup, log: Callable[[str], None] | None
+    cfg: DataConfig,
+    workers: _Workers,
+    setup: _Setup,
+    log: Callable[[str], None] | None,
+    total: int | None = None,
 ) -> Tokenizer:
     if cfg.tokenizer == "gpt2":
         return TiktokenTokenizer(cfg.tokenizer_path)
     if cfg.tokenizer == "char":
         chars: set[str] = set()
-        for _, (task_chars, _) in workers.map(_chars_task, setup, _tasks(cfg)):
+        progress = Progress("vocabulary", total, log)
+        for task, (task_chars, _) in workers.map(_chars_task, setup, _tasks(cfg)):
             chars |= task_chars
+            progress.update(_task_bytes(task))
+        progress.close()
         if not chars:
             raise DataError(
                 f"{cfg.corpus}: no document left after cleaning and filtering; nothing to fit a vocabulary on"
@@ -359,6 +443,7 @@ def _encode(
     setup: _Setup,
     staging: Path,
     log: Callable[[str], None] | None,
+    total: int | None = None,
 ) -> tuple[dict[str, list[ShardInfo]], dict[str, Any]]:
     """Tokenize every task in the workers; here, in corpus order: dedup, split, write the shards."""
     clean = cfg.clean
@@ -368,7 +453,8 @@ def _encode(
     near = NearDedup(clean.near_dedup_threshold, clean.minhash_perms) if clean.near_dedup else None
     stats = CleanStats()
     t0, cpu0, worker_cpu = time.perf_counter(), time.process_time(), 0.0
-    tick = _progress(log)
+    progress = Progress("prepare", total, log)
+    largest = (0, "", "")  # tokens, name, split of the largest kept document
     held: _Held | None = None
     kept, bytes_out, doc_index = 0, 0, 0
     results = workers.map(_encode_task, setup, _tasks(cfg))
@@ -382,10 +468,10 @@ def _encode(
                 kept += idx.size
                 bytes_out += int(r.sizes[idx].sum())
                 held = _write_kept(writers, r, idx, held, task)
-            tick(
-                f"prepare: {stats.bytes_in / 1e6:,.0f} MB read, {stats.bytes_in / 1e6 / (time.perf_counter() - t0):.1f}"
-                f" MB/s, {kept:,} documents kept"
-            )
+                i = int(idx[np.argmax(r.lengths[idx])])
+                if r.lengths[i] > largest[0]:
+                    largest = (int(r.lengths[i]), r.names[i], "val" if r.is_val[i] else "train")
+            progress.update(_task_bytes(task), kept)
         if held is None:
             raise DataError(
                 f"{cfg.corpus}: no document left after cleaning and filtering ({_one_line(stats)})"
@@ -398,7 +484,9 @@ def _encode(
         raise
     finally:
         results.close()  # stops the workers at once on an error
+        progress.close()
     report = _report(stats, clean, kept, bytes_out, notes, shards, time.perf_counter() - t0)
+    report["warnings"] = _split_warnings(cfg, report["tokens"], kept, largest)
     # CPU seconds: tasks (in the workers, or here with none) and this process's own share.
     main_cpu = time.process_time() - cpu0 - (worker_cpu if workers.n == 0 else 0.0)
     report["cpu_seconds"] = {"tasks": round(worker_cpu, 3), "main": round(main_cpu, 3)}
@@ -478,6 +566,27 @@ def _write_last(
         split = other
     writers[split].write(held.tokens, [held.tokens.size])
     return notes
+
+
+def _split_warnings(
+    cfg: DataConfig, tokens: dict[str, int], kept: int, largest: tuple[int, str, str]
+) -> list[str]:
+    """A warning when val's share of the tokens is far from data.val_fraction: over twice it
+    (training data lost), or under a fifth. Documents go to a split whole, so a few large ones
+    skew it; a few dozen documents of a few percent each stay within these bounds."""
+    total = sum(tokens.values())
+    if kept <= 1 or total == 0:
+        return []  # one document is cut at val_fraction exactly
+    share, vf = tokens["val"] / total, cfg.val_fraction
+    if vf / 5 <= share <= 2 * vf:
+        return []
+    n, name, split = largest
+    return [
+        f"val holds {share:.1%} of the tokens, but data.val_fraction is {vf:g}: documents go to a split "
+        f"whole, by name, and {kept:,} documents are few or uneven (the largest, {name}, has {n:,} tokens, "
+        f"{n / total:.0%} of all, in {split}); use more, smaller documents (a large text file is cut at "
+        "data.text_split_bytes), or another data.seed"
+    ]
 
 
 def _report(
@@ -610,6 +719,8 @@ def prepare(cfg: DataConfig, force: bool = False, log: Callable[[str], None] | N
     if cfg.blend:
         return open_datasets(cfg)[0].dir
     out = cfg.resolved_dir()
+    if cfg.clean.near_dedup:
+        require("datasketch", NEAR_DEDUP, "near-dedup")  # before any pass over the corpus
     if not force and _up_to_date(out, cfg, input_fingerprint(cfg, fetch=False)):
         if log:
             log(f"{out}: already prepared from this corpus and config (--force rebuilds it)")
@@ -629,9 +740,11 @@ def prepare(cfg: DataConfig, force: bool = False, log: Callable[[str], None] | N
                 f"{cfg.tokenizer} tokenizer, {workers.n} worker processes"
             )
         setup = _Setup(cfg.clean, cfg.text_field, cfg.seed, cfg.val_fraction)
-        tok = _fit_tokenizer(cfg, workers, setup, log)
+        tok = _fit_tokenizer(cfg, workers, setup, log, inputs["bytes"])
         setup.tokenizer, setup.dtype = tok, dtype_for_vocab(tok.vocab_size).name
-        shards, report = _encode(cfg, tok, workers, setup, staging, log)
+        shards, report = _encode(cfg, tok, workers, setup, staging, log, inputs["bytes"])
+        for warning in report["warnings"]:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
         tok.save(staging / TOKENIZER_FILE)
         manifest = {
             "version": MANIFEST_VERSION,

@@ -31,6 +31,7 @@ from pretrain.metrics import (
     available_monitors,
     device_peak_tflops,
     gather_interval,
+    start_wandb,
     summarize,
 )
 from pretrain.model import analytic_num_params
@@ -296,6 +297,13 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
         else:
             dist.log(f"no checkpoint to resume from in {ckpt_dir}: starting at step 0")
 
+    if dist.is_main:
+        start_wandb(
+            run_dir,
+            ds_config,
+            {**cfg.model_dump(mode="json"), "world_size": dist.world_size},
+            bool(resume),  # --resume, or a supervised restart: the same W&B run
+        )
     engine = ds_engine.initialize(cfg, ds_engine.build_model(cfg, ds_config), ds_config)
     # Weights come from one seed on every rank; what is random in training (dropout) must differ
     # between ranks, or every rank would drop the same units. A resume restores these generators.

@@ -24,7 +24,7 @@ from pretrain.metrics import (
     progress_enabled,
     summarize,
 )
-from pretrain.plot import plot_run
+from pretrain.plot import plot_run, run_events
 from tests.conftest import TINY_SHAKESPEARE, require_shared_data, subprocess_env
 
 BIN = Path(sys.executable).parent
@@ -215,14 +215,92 @@ def test_train_writes_tensorboard_csv_and_a_plot(tmp_path):
     assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_wandb_is_dropped_with_a_note_when_not_installed(capsys):
-    import importlib.util
-
+def test_wandb_is_dropped_with_a_note_naming_the_extra_when_not_installed(capsys, monkeypatch):
     from pretrain.metrics import available_monitors
 
-    if importlib.util.find_spec("wandb") is not None:
-        pytest.skip("wandb is installed here; the fallback is for machines without it")
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as on a machine without the wandb extra
     ds = {"wandb": {"enabled": True, "project": "p"}, "tensorboard": {"enabled": True}, "train_batch_size": 1}
     out = available_monitors(ds)
     assert "wandb" not in out and out["tensorboard"] == {"enabled": True} and "wandb" in ds
-    assert "logging.wandb is on but `wandb` is not installed" in capsys.readouterr().out
+    assert (
+        "logging.wandb is on but `wandb` is not installed (pip install 'pretrain[wandb]')"
+        in capsys.readouterr().out
+    )
+
+
+def test_plot_marks_resumes_and_world_size_changes(tmp_path):
+    for start, stop, world in ((0, 40, 2), (30, 70, 2), (60, 100, 1)):  # resumed twice, then on 1 rank
+        log = MetricsLog(tmp_path, max_steps=100, out=io.StringIO(), start_step=start, world_size=world)
+        for step in range(start + 10, stop + 1, 10):
+            log.log(step, loss=4.0 / step**0.3, lr=1e-3, tokens_per_s=1000.0 * world)
+        log.close()
+    assert run_events(tmp_path) == [(30, "resume at step 30"), (60, "resume at step 60, world size 2 → 1")]
+    assert plot_run(tmp_path).read_bytes()[:4] == b"\x89PNG"
+    assert [r["world_size"] for r in csv.DictReader((tmp_path / "starts.csv").open())] == ["2", "2", "1"]
+
+
+def _wandb_records(path: Path) -> list:
+    """The records of an offline W&B run file: LevelDB log blocks of protobuf `Record`s."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    records, pending, pos = [], b"", 7
+    while pos + 7 <= len(data):
+        if (pos % 32768) + 7 > 32768:  # the rest of a block is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if kind == 0 and length == 0:
+            break
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            r = pb.Record()
+            r.ParseFromString(pending)
+            records.append(r)
+            pending = b""
+    return records
+
+
+@pytest.mark.distributed
+def test_wandb_run_has_the_config_and_name_and_a_resume_continues_it(tmp_path):
+    """Two `pretrain train` runs, the second resuming, with W&B on in offline mode: one run id,
+    named after the run dir, with the resolved config; DeepSpeed's monitor logs into it."""
+    require_shared_data()
+    run_dir = tmp_path / "myrun"
+    cmd = [
+        str(BIN / "pretrain"), "train", f"--set=data.corpus={TINY_SHAKESPEARE}",
+        f"--set=data.dataset_dir={tmp_path / 'data'}", f"--set=logging.run_dir={run_dir}",
+        "--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.block_size=32",
+        "--set", "batch.micro_batch_size=4", "--set", "schedule.warmup_steps=1",
+        "--set", "logging.log_interval=2", "--set", "logging.eval_interval=100", "--set", "logging.sample_tokens=0",
+        "--set", "checkpoint.interval=4", "--set", "logging.wandb=true", "--set", "logging.wandb_project=proj",
+    ]  # fmt: skip
+    env = subprocess_env(
+        WANDB_MODE="offline", WANDB_SILENT="true", PRETRAIN_CACHE_DIR=str(tmp_path / "cache")
+    )
+    for extra in (["--set", "schedule.max_steps=4"], ["--set", "schedule.max_steps=8", "--resume"]):
+        out = subprocess.run(
+            [*cmd, *extra], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    files = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert len(files) == 2  # the first run, and the resume continuing it
+    for i, f in enumerate(files):
+        records = _wandb_records(f)
+        run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+        assert run.run_id == run_id and run.display_name == "myrun" and run.project == "proj"
+        config = {
+            item.key: json.loads(item.value_json)
+            for r in records
+            if r.WhichOneof("record_type") == "config"
+            for item in r.config.update
+        }
+        assert config["model"]["n_embd"] == 32 and config["schedule"]["max_steps"] == 4 * (i + 1)
+        assert config["world_size"] == 1
+        steps = [r.history.step.num for r in records if r.WhichOneof("record_type") == "history"]
+        # DeepSpeed's monitor logs into it, by samples (4 a step): the resume goes on from step 4
+        assert steps and (min(steps) > 16 if i else max(steps) <= 16)
+    assert run_events(run_dir) == [(4, "resume at step 4")]
