@@ -217,9 +217,16 @@ def _walk_sorted(
             "remove the link, or point data.corpus at a directory or glob without it"
         )
     for entry in entries:
-        if entry.is_dir():
+        try:
+            is_dir, is_file = entry.is_dir(), entry.is_file()
+        except OSError as e:  # a link that leads to itself, through other links or not
+            raise DataError(
+                f"{entry.path}: {e.strerror or e} (a symbolic link loop?): remove the link, or point "
+                "data.corpus at a directory or glob without it"
+            ) from e
+        if is_dir:
             yield from _walk_sorted(Path(entry.path), suffixes, (*_above, here))
-        elif entry.is_file() and entry.name.lower().endswith(suffixes):
+        elif is_file and entry.name.lower().endswith(suffixes):
             yield Path(entry.path)
 
 
