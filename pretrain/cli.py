@@ -24,7 +24,7 @@ from typing import Any
 from pretrain.config import RunConfig, to_yaml
 from pretrain.ds_config import RECORD, check_with_deepspeed, render_deepspeed
 from pretrain.errors import ConfigError, DataError, OutputError, PretrainError
-from pretrain.files import write_atomic
+from pretrain.files import make_dir, write_atomic
 from pretrain.launch import env_file_text, format_hostfile, launch_environment, read_hostfile, world_size
 from pretrain.presets import DS_CONFIG_RENDERS, PRESETS, build, build_checked
 
@@ -54,6 +54,7 @@ NON_NEGATIVE = _number(int, 0)  # restarts, seeds, top-k (0: all)
 PORT = _number(int, 1, high=65535)
 POSITIVE = _number(float, 0, above=True)  # sizes, seconds, rates, temperature
 FRACTION = _number(float, 0, above=True, high=1)
+WORKERS = _number(int, 0, high=1024)  # processes on one machine
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -248,7 +249,12 @@ def _add_checkpoint_parsers(sub: Any) -> None:
         "so that `train --resume` can continue it on another world size.",
     )
     p.add_argument("src", metavar="CHECKPOINT", help=src_help)
-    p.add_argument("--workers", type=COUNT, default=1, help="Parallel extract/merge processes (default 1).")
+    p.add_argument(
+        "--workers",
+        type=_number(int, 1, high=1024),
+        default=1,
+        help="Parallel extract/merge processes (default 1).",
+    )
     p.add_argument("--no-checksums", action="store_true", help="Check file sizes only, not sha256.")
 
     p = sub.add_parser(
@@ -459,9 +465,7 @@ def _add_prepare_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="A local copy of a downloaded corpus (data.source), e.g. of tinyshakespeare: no network.",
     )
-    p.add_argument(
-        "--workers", type=NON_NEGATIVE, metavar="N", help="Worker processes (data.workers; 0: none)."
-    )
+    p.add_argument("--workers", type=WORKERS, metavar="N", help="Worker processes (data.workers; 0: none).")
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -501,6 +505,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         stale.append(str(path))
         texts[path] = text
     if not args.check:
+        make_dir(Path(args.out_dir), "--out-dir")
         # Only files this command wrote before are rewritten: a DeepSpeed JSON of another project
         # kept under one of these names is refused, never lost.
         foreign = [str(p) for p in texts if (p.exists() or p.is_symlink()) and not _is_render(p)]
@@ -727,6 +732,13 @@ def main(argv: list[str] | None = None) -> int:
         rank = os.environ.get("RANK", "0")
         if rank == "0" or not e.collective:
             print(f"error: {e}" if rank == "0" else f"error (rank {rank}): {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        # A path that cannot be read or written (permissions, a full disk, a file where a directory
+        # should be) that no check above named: still the machine's or a person's, still one line.
+        where = f"{e.filename}: " if e.filename else ""
+        rank = os.environ.get("RANK", "0")
+        print(f"error{'' if rank == '0' else f' (rank {rank})'}: {where}{e.strerror or e}", file=sys.stderr)
         return 2
 
 

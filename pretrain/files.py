@@ -95,6 +95,17 @@ def replace_dir(staging: Path, out: Path) -> None:
     fsync_dir(out.parent)
 
 
+def make_dir(path: Path, flag: str, error: type[PretrainError] = PretrainError) -> None:
+    """Create the directory `path` (and its parents), or one error naming `flag` and why not."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
+        raise error(f"{flag} {path}: {file} is a file, not a directory; choose a directory") from e
+    except OSError as e:
+        raise error(f"{flag} {path}: cannot create it ({e.strerror or e})") from e
+
+
 def _within(path: Path, parent: Path) -> bool:
     return path == parent or parent in path.parents
 
