@@ -252,12 +252,15 @@ def _add_checkpoint_parsers(sub: Any) -> None:
     p.add_argument("--no-checksums", action="store_true", help="Check file sizes only, not sha256.")
 
     p = sub.add_parser(
-        "export", help="Consolidated weights as safetensors (+ a Hugging Face GPT-2 dir) from any ZeRO stage."
+        "export",
+        help="Consolidated weights as safetensors, and a Hugging Face dir (model, tokenizer, generation "
+        "config), from any ZeRO stage.",
     )
     p.add_argument("src", metavar="CHECKPOINT", help=src_help)
     p.add_argument("--out", required=True, help="Output directory (replaced if it exists).")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="Weights dtype (default fp32).")
-    p.add_argument("--no-hf", action="store_true", help="Skip the Hugging Face GPT-2 directory (hf/).")
+    p.add_argument("--no-hf", action="store_true", help="Skip the Hugging Face directory (hf/).")
+    p.add_argument("--tokenizer-path", help="Local gpt2.tiktoken, for GPT-2 BPE models trained offline.")
 
     p = sub.add_parser("sample", help="Generate text from a checkpoint or an export.")
     p.add_argument("src", metavar="CHECKPOINT_OR_EXPORT", help=src_help + " Or an export dir.")
@@ -386,10 +389,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from pretrain.export import export  # torch
 
-    info = export(Path(args.src), Path(args.out), dtype=args.dtype, hf=not args.no_hf)
+    info = export(
+        Path(args.src),
+        Path(args.out),
+        dtype=args.dtype,
+        hf=not args.no_hf,
+        tokenizer_path=args.tokenizer_path,
+    )
     print(
         f"exported {info['source']} (step {info['step']}, {info['params'] / 1e6:.2f}M params, {args.dtype}) "
-        f"to {info['out']}" + (f"; Hugging Face GPT-2 dir {info['out'] / 'hf'}" if info["hf"] else "")
+        f"to {info['out']}" + (f"; Hugging Face {info['hf']} dir {info['out'] / 'hf'}" if info["hf"] else "")
     )
     return 0
 
