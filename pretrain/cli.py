@@ -512,8 +512,9 @@ def cmd_presets(args: argparse.Namespace) -> int:
         m = cfg.model
         vocab = m.vocab_size or tokenizer_vocab_size(cfg.data)
         n = analytic_num_params(m.model_copy(update={"vocab_size": vocab}))
+        heads = f"{m.n_head}/{m.kv_heads}" if m.kv_heads != m.n_head else str(m.n_head)
         print(
-            f"{name:<10} {m.n_layer:>3} layers {m.n_head:>3} heads n_embd {m.n_embd:>5} "
+            f"{name:<12} {m.arch:<5} {m.n_layer:>3} layers {heads:>5} heads n_embd {m.n_embd:>5} "
             f"block {m.block_size:>5} vocab {vocab:>6} {cfg.data.tokenizer:<5} {n / 1e6:>9.2f}M params"
         )
     return 0
