@@ -233,14 +233,12 @@ def hf_generation_config(tok: Tokenizer, m: ModelConfig) -> dict[str, Any]:
     return {"do_sample": True, "temperature": 0.8, "top_k": 200, "max_length": m.block_size, **ids, **pad}
 
 
-def write_hf(out: Path, cfg: RunConfig, sd: dict[str, torch.Tensor], dtype: str, tok: Tokenizer) -> None:
+def write_hf(out: Path, m: ModelConfig, sd: dict[str, torch.Tensor], dtype: str, tok: Tokenizer) -> None:
     """The Hugging Face directory `out` (created) of the weights `sd` (ours, cast to `dtype`)."""
-    m = cfg.model
     out.mkdir()
     save_file(hf_state_dict(sd, m), str(out / WEIGHTS), metadata={"format": "pt"})
     default_mode(out / WEIGHTS)
-    hf_tokenizer(tok).save(str(out / "tokenizer.json"))
-    default_mode(out / "tokenizer.json")
+    write_atomic(out / "tokenizer.json", hf_tokenizer(tok).to_str(pretty=True))
     for name, obj in (
         ("config.json", hf_config(m, dtype, tok)),
         ("tokenizer_config.json", hf_tokenizer_config(tok, m)),
@@ -289,7 +287,7 @@ def export(
     if tok is not None:
         tok.save(tmp / TOKENIZER)
     if hf and tok is not None:
-        write_hf(tmp / HF_DIR, cfg, cast, dtype, tok)
+        write_hf(tmp / HF_DIR, cfg.model, cast, dtype, tok)
     if out.exists():
         trash = out.with_name(f".trash-{out.name}-{os.getpid()}")
         out.rename(trash)

@@ -54,7 +54,7 @@ def write_random_export(out: Path, tok: Tokenizer, **model: Any) -> GPT:
     with torch.no_grad():
         for p in ours.parameters():
             p.add_(0.2 * torch.randn_like(p))
-    write_hf(out, cfg, {k: v.clone() for k, v in ours.state_dict().items()}, "fp32", tok)
+    write_hf(out, cfg.model, {k: v.clone() for k, v in ours.state_dict().items()}, "fp32", tok)
     return ours
 
 
