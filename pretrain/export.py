@@ -238,7 +238,7 @@ def write_hf(out: Path, m: ModelConfig, sd: dict[str, torch.Tensor], dtype: str,
     out.mkdir()
     save_file(hf_state_dict(sd, m), str(out / WEIGHTS), metadata={"format": "pt"})
     default_mode(out / WEIGHTS)
-    write_atomic(out / "tokenizer.json", hf_tokenizer(tok).to_str(pretty=True))
+    write_atomic(out / "tokenizer.json", hf_tokenizer(tok).to_str())
     for name, obj in (
         ("config.json", hf_config(m, dtype, tok)),
         ("tokenizer_config.json", hf_tokenizer_config(tok, m)),
