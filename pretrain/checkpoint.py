@@ -41,6 +41,7 @@ from pretrain.files import format_bytes as _size
 from pretrain.files import fsync_dir, replace_dir, write_atomic
 from pretrain.guards import Faults, barrier, gather, world_of
 from pretrain.model import analytic_num_params
+from pretrain.tokenizer import BPE_RANKS_FILE
 
 META = "pretrain_meta.json"
 TOKENIZER = TOKENIZER_FILE  # a copy of the dataset's, so that a checkpoint samples on its own
@@ -317,6 +318,9 @@ def save(
             files.update(w)
         if tokenizer_file is not None and tokenizer_file.is_file():
             shutil.copyfile(tokenizer_file, tmp_dir / TOKENIZER)
+            ranks = tokenizer_file.with_name(BPE_RANKS_FILE)  # a trained BPE's ranks, which it names
+            if ranks.is_file():
+                shutil.copyfile(ranks, tmp_dir / BPE_RANKS_FILE)
         for p in sorted(tmp_dir.rglob("*")):  # anything DeepSpeed wrote around the checkpoint engine
             rel = str(p.relative_to(tmp_dir))
             if p.is_file() and rel not in files:
@@ -603,12 +607,10 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], 
     problems = []
     saved_model = ckpt.meta.get("config", {}).get("model", {})
     for key, value in cfg.model.model_dump(mode="json").items():
-        if (
-            key in saved_model
-            and saved_model[key] != value
-            and key not in ("dropout", "activation_checkpointing")
-        ):
-            problems.append(f"model.{key}: checkpoint has {saved_model[key]!r}, this run has {value!r}")
+        # a field newer than the checkpoint had its default then (every such default is the old model)
+        saved = saved_model.get(key, type(cfg.model).model_fields[key].default)
+        if saved != value and key not in ("dropout", "activation_checkpointing"):
+            problems.append(f"model.{key}: checkpoint has {saved!r}, this run has {value!r}")
     if ckpt.meta.get("tokenizer_fingerprint") != datasets[0].manifest["tokenizer"]["fingerprint"]:
         problems.append("the tokenizer differs from the one the checkpoint was trained with")
     if problems:

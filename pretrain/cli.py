@@ -258,14 +258,17 @@ def _add_checkpoint_parsers(sub: Any) -> None:
     p.add_argument("--no-checksums", action="store_true", help="Check file sizes only, not sha256.")
 
     p = sub.add_parser(
-        "export", help="Consolidated weights as safetensors (+ a Hugging Face GPT-2 dir) from any ZeRO stage."
+        "export",
+        help="Consolidated weights as safetensors, and a Hugging Face dir (model, tokenizer, generation "
+        "config), from any ZeRO stage.",
     )
     p.add_argument("src", metavar="CHECKPOINT", help=src_help)
     p.add_argument(
         "--out", required=True, help="Output directory: new, empty, or a previous export (then replaced)."
     )
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="Weights dtype (default fp32).")
-    p.add_argument("--no-hf", action="store_true", help="Skip the Hugging Face GPT-2 directory (hf/).")
+    p.add_argument("--no-hf", action="store_true", help="Skip the Hugging Face directory (hf/).")
+    p.add_argument("--tokenizer-path", help="Local gpt2.tiktoken, for GPT-2 BPE models trained offline.")
     p.add_argument(
         "--no-checksums", action="store_true", help="Check the checkpoint's file sizes only, not sha256."
     )
@@ -409,11 +412,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     from pretrain.export import export  # torch
 
     info = export(
-        Path(args.src), Path(args.out), dtype=args.dtype, hf=not args.no_hf, checksums=not args.no_checksums
+        Path(args.src),
+        Path(args.out),
+        dtype=args.dtype,
+        hf=not args.no_hf,
+        tokenizer_path=args.tokenizer_path,
+        checksums=not args.no_checksums,
     )
     print(
         f"exported {info['source']} (step {info['step']}, {info['params'] / 1e6:.2f}M params, {args.dtype}) "
-        f"to {info['out']}" + (f"; Hugging Face GPT-2 dir {info['out'] / 'hf'}" if info["hf"] else "")
+        f"to {info['out']}" + (f"; Hugging Face {info['hf']} dir {info['out'] / 'hf'}" if info["hf"] else "")
     )
     return 0
 
@@ -569,8 +577,9 @@ def cmd_presets(args: argparse.Namespace) -> int:
         m = cfg.model
         vocab = m.vocab_size or tokenizer_vocab_size(cfg.data)
         n = analytic_num_params(m.model_copy(update={"vocab_size": vocab}))
+        heads = f"{m.n_head}/{m.kv_heads}" if m.kv_heads != m.n_head else str(m.n_head)
         print(
-            f"{name:<10} {m.n_layer:>3} layers {m.n_head:>3} heads n_embd {m.n_embd:>5} "
+            f"{name:<12} {m.arch:<5} {m.n_layer:>3} layers {heads:>5} heads n_embd {m.n_embd:>5} "
             f"block {m.block_size:>5} vocab {vocab:>6} {cfg.data.tokenizer:<5} {n / 1e6:>9.2f}M params"
         )
     return 0

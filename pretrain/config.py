@@ -9,6 +9,7 @@ an input (`context`), never probed here.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -43,9 +44,30 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
+    """The network. `arch` picks the block: `gpt2` (LayerNorm, GELU MLP, biases; learned or rotary
+    positions) or `llama` (RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention, no
+    biases). `bias` and `position` default by arch when not given."""
+
+    arch: Literal["gpt2", "llama"] = Field(
+        "gpt2",
+        description="gpt2: LayerNorm + GELU MLP + biases; llama: RMSNorm + SwiGLU MLP + RoPE + grouped-query "
+        "attention, no biases.",
+    )
     n_layer: int = Field(2, ge=1, le=256, description="Number of transformer blocks.")
-    n_head: int = Field(2, ge=1, le=256, description="Attention heads per block.")
+    n_head: int = Field(2, ge=1, le=256, description="Attention (query) heads per block.")
+    n_kv_head: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="Key/value heads (grouped-query attention, llama only); must divide n_head. None: n_head.",
+    )
     n_embd: int = Field(128, ge=8, le=65536, description="Residual stream width.")
+    intermediate_size: int | None = Field(
+        None,
+        ge=1,
+        le=1_048_576,
+        description="MLP hidden width. None: 4 n_embd for gpt2; for llama 8/3 n_embd rounded up to a multiple of 64.",
+    )
     block_size: int = Field(256, ge=8, le=131072, description="Context length in tokens.")
     vocab_size: int | None = Field(
         None,
@@ -54,21 +76,63 @@ class ModelConfig(Section):
         description="Embedding rows. None takes the tokenizer's vocabulary size; a larger value pads it.",
     )
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout after attention, MLP and embeddings.")
-    bias: bool = Field(True, description="Biases in Linear layers and LayerNorms, as in GPT-2.")
+    bias: bool = Field(
+        True, description="Biases in Linear layers and LayerNorms, as in GPT-2 (default true; llama: false)."
+    )
     position: Literal["learned", "rope"] = Field(
-        "learned", description="Learned absolute position embeddings, or rotary embeddings (RoPE)."
+        "learned",
+        description="Learned absolute position embeddings, or rotary embeddings (RoPE) (default learned; "
+        "llama: rope).",
     )
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency (position='rope' only).")
+    tie_embeddings: bool = Field(
+        True, description="The output projection (lm_head) shares the token embedding's weight."
+    )
     activation_checkpointing: bool = Field(
         False, description="Recompute each block's activations in backward to save memory."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _arch_defaults(cls, data: Any) -> Any:
+        """llama has no biases and rotary positions: those are its defaults for fields not given."""
+        if isinstance(data, dict) and data.get("arch") == "llama":
+            data = {"bias": False, "position": "rope", **data}
+        return data
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def ffn_hidden(self) -> int:
+        """The MLP's hidden width (SwiGLU's 8/3 d keeps its three matrices at the cost of GELU's two)."""
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        return 4 * self.n_embd if self.arch == "gpt2" else 64 * math.ceil(8 * self.n_embd / 3 / 64)
+
     def broken_rules(self, context: dict[str, Any]) -> list[str]:
         if self.n_embd % self.n_head:
             return [f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"]
-        if self.position == "rope" and (self.n_embd // self.n_head) % 2:
-            return [f"RoPE needs an even head size, got n_embd/n_head = {self.n_embd // self.n_head}"]
-        return []
+        problems = []
+        if self.position == "rope" and self.head_size % 2:
+            problems.append(f"RoPE needs an even head size, got n_embd/n_head = {self.head_size}")
+        if self.n_head % self.kv_heads:
+            problems.append(f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head})")
+        if self.arch == "gpt2" and self.kv_heads != self.n_head:
+            problems.append(
+                f"n_kv_head ({self.n_kv_head}) below n_head is grouped-query attention: set model.arch=llama, "
+                "or leave n_kv_head unset"
+            )
+        if self.arch == "llama" and self.bias:
+            problems.append("arch llama has no biases: set model.bias=false (or leave it unset)")
+        if self.arch == "llama" and self.position != "rope":
+            problems.append("arch llama uses rotary positions: set model.position=rope (or leave it unset)")
+        return problems
 
 
 class CleanConfig(Section):

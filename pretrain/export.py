@@ -1,10 +1,18 @@
-"""Checkpoints → weights files: consolidated safetensors from any ZeRO stage, a Hugging Face GPT-2
-directory for GPT-2-shaped models, and loading either back into a `GPT` for sampling.
+"""Checkpoints → weights files: consolidated safetensors from any ZeRO stage, a Hugging Face
+directory that transformers (and the tools built on it) load as is, and loading either back into a
+`GPT` for sampling.
 
-An export directory holds `model.safetensors` (our parameter names; the tied lm_head is stored
-once, as wte), `pretrain.json` (the model config and where the weights came from) and the
-tokenizer; with a GPT-2-shaped model also `hf/` (`config.json` + `model.safetensors`), which
-`transformers.GPT2LMHeadModel.from_pretrained` reads.
+An export directory holds `model.safetensors` (our parameter names; a tied lm_head is stored
+once, as wte), `pretrain.json` (the model config and where the weights came from) and our
+tokenizer as `pretrain_tokenizer.json` (not `tokenizer.json`, Hugging Face's name for its own
+format). `hf/` holds `config.json`, `model.safetensors`, a `tokenizers` `tokenizer.json` that
+encodes and decodes as ours, `tokenizer_config.json` and `generation_config.json`, for:
+
+- arch gpt2, learned positions: `GPT2LMHeadModel`;
+- arch gpt2, rotary positions: `GPTNeoXForCausalLM` (sequential residual, rotary on the whole head);
+- arch llama: `LlamaForCausalLM`.
+
+Biases our model lacks are written as zeros where the Hugging Face class always has them.
 """
 
 from __future__ import annotations
@@ -21,15 +29,17 @@ from safetensors.torch import load_file, save_file
 
 from pretrain import checkpoint
 from pretrain.config import ModelConfig, RunConfig
-from pretrain.errors import CheckpointError, OutputError
-from pretrain.files import check_output_dir, replace_dir, temp_name
-from pretrain.model import GPT
-from pretrain.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE, Tokenizer, load_tokenizer
+from pretrain.errors import CheckpointError, DataError, OutputError
+from pretrain.files import check_output_dir, default_mode, replace_dir, temp_name, write_atomic
+from pretrain.model import GPT, NORM_EPS
+from pretrain.tokenizer import BPE_RANKS_FILE, ENDOFTEXT, Tokenizer, hf_tokenizer, load_tokenizer
 
 WEIGHTS = "model.safetensors"
 INFO = "pretrain.json"
 HF_DIR = "hf"
-EXPORT_NAMES = {WEIGHTS, INFO, HF_DIR, checkpoint.TOKENIZER}  # all an export holds
+TOKENIZER = "pretrain_tokenizer.json"
+# All an export holds (and an older export's tokenizer.json): what `export --out` may replace.
+EXPORT_NAMES = {WEIGHTS, INFO, HF_DIR, TOKENIZER, BPE_RANKS_FILE, checkpoint.TOKENIZER}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -50,48 +60,192 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().contiguous() for k, v in sd.items()}
 
 
-def is_gpt2_shaped(m: ModelConfig) -> bool:
-    """GPT-2's architecture: learned positions and biases (our MLP, GELU and LayerNorm match it)."""
-    return m.position == "learned" and m.bias
+def hf_architecture(m: ModelConfig) -> str:
+    if m.arch == "llama":
+        return "LlamaForCausalLM"
+    return "GPT2LMHeadModel" if m.position == "learned" else "GPTNeoXForCausalLM"
 
 
 def hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our names → GPT2LMHeadModel's. Its Conv1D layers store weights as (in, out): transposed."""
-    out = {}
-    for k, v in sd.items():
-        if k == "lm_head.weight":
-            continue  # tied to wte; transformers ties it back
-        if k.startswith("h.") and k.endswith(".weight") and v.dim() == 2:
-            v = v.t()
-        out[f"transformer.{k}"] = v.contiguous()
-    return out
+    """Our parameters under the names and layouts of `hf_architecture(m)`."""
+    d, f, kv = m.n_embd, m.ffn_hidden, m.kv_heads * m.head_size
+    arch = hf_architecture(m)
+
+    def bias(name: str, size: int) -> torch.Tensor:
+        return sd.get(name, torch.zeros(size, dtype=sd["wte.weight"].dtype))
+
+    out: dict[str, torch.Tensor] = {}
+    for i in range(m.n_layer):
+        h = f"h.{i}."
+        w_attn, w_fc = sd[h + "attn.c_attn.weight"], sd[h + "mlp.c_fc.weight"]
+        if arch == "LlamaForCausalLM":
+            o = f"model.layers.{i}."
+            out[o + "input_layernorm.weight"] = sd[h + "ln_1.weight"]
+            q, k, v = w_attn.split([d, kv, kv])  # HF's rotate_half RoPE is ours: no permutation
+            out.update({o + "self_attn.q_proj.weight": q, o + "self_attn.k_proj.weight": k})
+            out[o + "self_attn.v_proj.weight"] = v
+            out[o + "self_attn.o_proj.weight"] = sd[h + "attn.c_proj.weight"]
+            out[o + "post_attention_layernorm.weight"] = sd[h + "ln_2.weight"]
+            gate, up = w_fc.split([f, f])
+            out.update({o + "mlp.gate_proj.weight": gate, o + "mlp.up_proj.weight": up})
+            out[o + "mlp.down_proj.weight"] = sd[h + "mlp.c_proj.weight"]
+        elif arch == "GPTNeoXForCausalLM":
+            o = f"gpt_neox.layers.{i}."
+            # its fused qkv is per head [q_h; k_h; v_h], ours [q (all heads); k; v]
+            nh, hs = m.n_head, m.head_size
+            qkv_bias = bias(h + "attn.c_attn.bias", 3 * d)
+            out[o + "attention.query_key_value.weight"] = (
+                w_attn.view(3, nh, hs, d).transpose(0, 1).reshape(3 * d, d)
+            )
+            out[o + "attention.query_key_value.bias"] = (
+                qkv_bias.view(3, nh, hs).transpose(0, 1).reshape(3 * d)
+            )
+            for ours, theirs, size in (
+                ("ln_1", "input_layernorm", d),
+                ("attn.c_proj", "attention.dense", d),
+                ("ln_2", "post_attention_layernorm", d),
+                ("mlp.c_fc", "mlp.dense_h_to_4h", f),
+                ("mlp.c_proj", "mlp.dense_4h_to_h", d),
+            ):
+                out[f"{o}{theirs}.weight"] = sd[f"{h}{ours}.weight"]
+                out[f"{o}{theirs}.bias"] = bias(f"{h}{ours}.bias", size)
+        else:  # GPT-2's Conv1D layers store weights as (in, out): transposed
+            o = f"transformer.h.{i}."
+            for name, size in (("ln_1", d), ("attn.c_attn", 3 * d), ("attn.c_proj", d), ("ln_2", d)):
+                w = sd[f"{h}{name}.weight"]
+                out[f"{o}{name}.weight"] = w.t() if w.dim() == 2 else w
+                out[f"{o}{name}.bias"] = bias(f"{h}{name}.bias", size)
+            for name, size in (("mlp.c_fc", f), ("mlp.c_proj", d)):
+                out[f"{o}{name}.weight"] = sd[f"{h}{name}.weight"].t()
+                out[f"{o}{name}.bias"] = bias(f"{h}{name}.bias", size)
+    head = sd.get("lm_head.weight", sd["wte.weight"])
+    if arch == "LlamaForCausalLM":
+        out.update({"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["ln_f.weight"]})
+        if not m.tie_embeddings:
+            out["lm_head.weight"] = head
+    elif arch == "GPTNeoXForCausalLM":
+        out.update({"gpt_neox.embed_in.weight": sd["wte.weight"], "embed_out.weight": head})
+        out["gpt_neox.final_layer_norm.weight"] = sd["ln_f.weight"]
+        out["gpt_neox.final_layer_norm.bias"] = bias("ln_f.bias", d)
+    else:
+        out.update({"transformer.wte.weight": sd["wte.weight"], "transformer.wpe.weight": sd["wpe.weight"]})
+        out["transformer.ln_f.weight"] = sd["ln_f.weight"]
+        out["transformer.ln_f.bias"] = bias("ln_f.bias", d)
+        if not m.tie_embeddings:
+            out["lm_head.weight"] = head
+    return {k: v.contiguous() for k, v in out.items()}
 
 
-def hf_config(m: ModelConfig, dtype: str, tokenizer_type: str) -> dict[str, Any]:
-    eot = GPT2_EOT if tokenizer_type == "gpt2" and (m.vocab_size or 0) >= GPT2_VOCAB_SIZE else None
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
+def _special_ids(tok: Tokenizer | None) -> dict[str, int]:
+    eot = tok.eot_token if tok is not None else None
+    return {} if eot is None else {"bos_token_id": eot, "eos_token_id": eot}
+
+
+def hf_config(m: ModelConfig, dtype: str, tok: Tokenizer | None) -> dict[str, Any]:
+    """config.json for `hf_architecture(m)`."""
+    arch = hf_architecture(m)
+    common: dict[str, Any] = {
+        "architectures": [arch],
         "vocab_size": m.vocab_size,
+        "tie_word_embeddings": m.tie_embeddings,
+        "initializer_range": 0.02,
+        "torch_dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
+        "bos_token_id": None,
+        "eos_token_id": None,
+        **_special_ids(tok),
+    }
+    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if arch == "LlamaForCausalLM":
+        return {
+            **common,
+            "model_type": "llama",
+            "hidden_size": m.n_embd,
+            "intermediate_size": m.ffn_hidden,
+            "num_hidden_layers": m.n_layer,
+            "num_attention_heads": m.n_head,
+            "num_key_value_heads": m.kv_heads,
+            "head_dim": m.head_size,
+            "hidden_act": "silu",
+            "max_position_embeddings": m.block_size,
+            "rms_norm_eps": NORM_EPS,
+            "rope_theta": m.rope_theta,  # transformers < 5 reads these two keys
+            "rope_scaling": None,
+            "rope_parameters": rope,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "attention_dropout": m.dropout,
+        }
+    if arch == "GPTNeoXForCausalLM":
+        return {
+            **common,
+            "model_type": "gpt_neox",
+            "hidden_size": m.n_embd,
+            "intermediate_size": m.ffn_hidden,
+            "num_hidden_layers": m.n_layer,
+            "num_attention_heads": m.n_head,
+            "hidden_act": "gelu",  # exact erf GELU, as ours
+            "max_position_embeddings": m.block_size,
+            "layer_norm_eps": NORM_EPS,
+            "use_parallel_residual": False,  # x + attn(ln_1(x)), then + mlp(ln_2(.)), as ours
+            "rotary_pct": 1.0,  # transformers < 5 reads these two keys
+            "rotary_emb_base": m.rope_theta,
+            "rope_parameters": {**rope, "partial_rotary_factor": 1.0},
+            "attention_bias": True,
+            "attention_dropout": m.dropout,
+            "hidden_dropout": m.dropout,
+        }
+    return {
+        **common,
+        "model_type": "gpt2",
         "n_positions": m.block_size,
         "n_embd": m.n_embd,
         "n_layer": m.n_layer,
         "n_head": m.n_head,
-        "n_inner": 4 * m.n_embd,
+        "n_inner": m.ffn_hidden,
         "activation_function": "gelu",  # exact erf GELU, as nn.GELU(); GPT-2's own is "gelu_new"
         "resid_pdrop": m.dropout,
         "embd_pdrop": m.dropout,
         "attn_pdrop": m.dropout,
-        "layer_norm_epsilon": 1e-5,
-        "initializer_range": 0.02,
+        "layer_norm_epsilon": NORM_EPS,
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": True,
-        "bos_token_id": eot,
-        "eos_token_id": eot,
-        "torch_dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
     }
+
+
+def hf_tokenizer_config(tok: Tokenizer, m: ModelConfig) -> dict[str, Any]:
+    """tokenizer_config.json: the generic fast tokenizer over tokenizer.json, nothing added to the
+    text. Special tokens split: a literal "<|endoftext|>" in text is plain text, as in ours."""
+    specials = {} if tok.eot_token is None else {"bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT}
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": m.block_size,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": True,
+        **specials,
+    }
+
+
+def hf_generation_config(tok: Tokenizer, m: ModelConfig) -> dict[str, Any]:
+    """generation_config.json: `pretrain sample`'s defaults (temperature 0.8, top-k 200), up to
+    the context length; end-of-text ends a sample and pads a batch."""
+    ids = _special_ids(tok)
+    pad = {"pad_token_id": ids["eos_token_id"]} if ids else {}
+    return {"do_sample": True, "temperature": 0.8, "top_k": 200, "max_length": m.block_size, **ids, **pad}
+
+
+def write_hf(out: Path, m: ModelConfig, sd: dict[str, torch.Tensor], dtype: str, tok: Tokenizer) -> None:
+    """The Hugging Face directory `out` (created) of the weights `sd` (ours, cast to `dtype`)."""
+    out.mkdir()
+    save_file(hf_state_dict(sd, m), str(out / WEIGHTS), metadata={"format": "pt"})
+    default_mode(out / WEIGHTS)
+    write_atomic(out / "tokenizer.json", hf_tokenizer(tok).to_str())
+    for name, obj in (
+        ("config.json", hf_config(m, dtype, tok)),
+        ("tokenizer_config.json", hf_tokenizer_config(tok, m)),
+        ("generation_config.json", hf_generation_config(tok, m)),
+    ):
+        write_atomic(out / name, json.dumps(obj, indent=1) + "\n")
 
 
 def is_export(path: Path) -> bool:
@@ -105,24 +259,41 @@ def is_export(path: Path) -> bool:
 
 
 def export(
-    src: Path, out: Path, dtype: str = "fp32", hf: bool = True, checksums: bool = True
+    src: Path,
+    out: Path,
+    dtype: str = "fp32",
+    hf: bool = True,
+    tokenizer_path: str | None = None,
+    checksums: bool = True,
 ) -> dict[str, Any]:
     """Export the checkpoint `src` (or the newest valid one under a run/checkpoints dir) into `out`,
-    atomically. `out` must be new, empty or a previous export. Returns what was written."""
+    atomically. `out` must be new, empty or a previous export. Returns what was written. A GPT-2
+    BPE tokenizer is rebuilt from `tokenizer_path` (default: the run's data.tokenizer_path, else
+    tiktoken's download)."""
     ckpt = checkpoint.open_checkpoint(src, checksums)
     check_output_dir(
         out, is_export, "export", "--out", sources=[src, ckpt], no_inside=[ckpt], error=OutputError
     )
     meta = checkpoint.read_meta(ckpt)
     cfg = RunConfig.model_validate(meta["config"])
+    try:
+        tok: Tokenizer | None = tokenizer_for(ckpt, cfg, tokenizer_path)
+    except DataError as e:
+        if hf:
+            raise DataError(
+                f"{e}\nthe Hugging Face directory needs the tokenizer: pass --tokenizer-path, or --no-hf "
+                "to export the weights alone"
+            ) from e
+        tok = None
     sd = consolidated_state_dict(ckpt)
     cast = {k: v.to(_DTYPES[dtype]) for k, v in sd.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(out.with_name(f".{out.name}"))
     tmp.mkdir()
     try:
-        native = {k: v for k, v in cast.items() if k != "lm_head.weight"}
+        native = {k: v for k, v in cast.items() if k != "lm_head.weight" or not cfg.model.tie_embeddings}
         save_file(native, str(tmp / WEIGHTS), metadata={"format": "pt", "dtype": dtype})
+        default_mode(tmp / WEIGHTS)
         info = {
             "model": cfg.model.model_dump(mode="json"),
             "config": meta["config"],
@@ -133,16 +304,11 @@ def export(
             "tokenizer_fingerprint": meta.get("tokenizer_fingerprint"),
             "versions": meta.get("versions"),
         }
-        (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n")
-        if (ckpt / checkpoint.TOKENIZER).is_file():
-            shutil.copyfile(ckpt / checkpoint.TOKENIZER, tmp / checkpoint.TOKENIZER)
-        wrote_hf = hf and is_gpt2_shaped(cfg.model)
-        if wrote_hf:
-            (tmp / HF_DIR).mkdir()
-            save_file(hf_state_dict(cast, cfg.model), str(tmp / HF_DIR / WEIGHTS), metadata={"format": "pt"})
-            (tmp / HF_DIR / "config.json").write_text(
-                json.dumps(hf_config(cfg.model, dtype, cfg.data.tokenizer), indent=1) + "\n"
-            )
+        write_atomic(tmp / INFO, json.dumps(info, indent=1) + "\n")
+        if tok is not None:
+            tok.save(tmp / TOKENIZER)
+        if hf and tok is not None:
+            write_hf(tmp / HF_DIR, cfg.model, cast, dtype, tok)
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -151,7 +317,7 @@ def export(
         "source": ckpt,
         "out": out,
         "params": sum(v.numel() for v in native.values()),
-        "hf": wrote_hf,
+        "hf": hf_architecture(cfg.model) if hf else None,
         "step": meta.get("step"),
     }
 
@@ -175,16 +341,25 @@ def load_model(src: Path, device: str = "cpu", checksums: bool = True) -> tuple[
         sd = consolidated_state_dict(where)
     model = GPT(cfg.model)
     sd = {k: v.float() for k, v in sd.items()}
-    sd.setdefault("lm_head.weight", sd["wte.weight"])  # tied: stored once
+    if cfg.model.tie_embeddings:
+        sd.setdefault("lm_head.weight", sd["wte.weight"])  # tied: stored once
     model.load_state_dict(sd, strict=True)
     return model.to(device).eval(), cfg, where
 
 
 def tokenizer_for(where: Path, cfg: RunConfig, tokenizer_path: str | None = None) -> Tokenizer:
-    path = where / checkpoint.TOKENIZER
-    if not path.is_file():
-        path = cfg.data.resolved_dir() / checkpoint.TOKENIZER
-    return load_tokenizer(path, tokenizer_path or cfg.data.tokenizer_path)
+    """The tokenizer next to the weights at `where` (an export's, or a checkpoint's copy), else the
+    dataset's. A GPT-2 BPE is rebuilt from `tokenizer_path` (default: the run's data.tokenizer_path)."""
+    candidates = [
+        where / TOKENIZER,
+        where / checkpoint.TOKENIZER,
+        cfg.data.resolved_dir() / checkpoint.TOKENIZER,
+    ]
+    found = [p for p in candidates if p.is_file()] or candidates[-1:]
+    for path in found[:-1]:
+        with contextlib.suppress(DataError):  # e.g. a trained BPE saved without its ranks file
+            return load_tokenizer(path, tokenizer_path or cfg.data.tokenizer_path)
+    return load_tokenizer(found[-1], tokenizer_path or cfg.data.tokenizer_path)
 
 
 @torch.no_grad()

@@ -76,6 +76,14 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
         f.write(data)
 
 
+def default_mode(path: Path) -> None:
+    """Give a file another library wrote (safetensors creates 0600 files) the mode `open()` gives
+    new files: readable by others unless the umask says otherwise."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def replace_dir(staging: Path, out: Path) -> None:
     """Put the finished directory `staging` at `out`: its files are fsynced, whatever was at
     `out` is renamed aside, the new one renamed in, and only then the old one deleted."""

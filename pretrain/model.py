@@ -1,6 +1,13 @@
-"""A GPT language model in one file: token (+ learned or rotary position) embeddings, pre-LayerNorm
-transformer blocks with causal self-attention and a GELU MLP, and a language-model head tied to
-the token embedding.
+"""A GPT language model in one file, in two architectures (`model.arch`):
+
+- `gpt2`: token (+ learned or rotary position) embeddings, pre-LayerNorm blocks with causal
+  self-attention and a GELU MLP, biases (Radford et al. 2019);
+- `llama`: pre-RMSNorm blocks with rotary positions, grouped-query attention (n_kv_head key/value
+  heads shared by n_head query heads) and a SwiGLU MLP, no biases (Touvron et al. 2023).
+
+The language-model head is tied to the token embedding unless `tie_embeddings` is false. RoPE
+rotates the pairs (i, i + hs/2) of each head, Hugging Face's `rotate_half` layout, so exported
+q/k weights need no permutation.
 
 The model is a plain nn.Module and knows nothing about DeepSpeed or process groups; engine.py
 wraps it. Two things are shaped for ZeRO-3 all the same: `init_weights` initialises one module's
@@ -46,52 +53,79 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+NORM_EPS = 1e-5  # LayerNorm's and RMSNorm's
+
+
+def norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.arch == "llama":
+        return nn.RMSNorm(cfg.n_embd, eps=NORM_EPS)  # no mean subtraction, no bias
+    return nn.LayerNorm(cfg.n_embd, eps=NORM_EPS, bias=cfg.bias)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
+        self.n_head, self.n_kv_head, self.hs = cfg.n_head, cfg.kv_heads, cfg.head_size
         self.dropout = cfg.dropout
-        # key, query and value projections for all heads in one matmul
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        # query, key and value projections for all heads in one matmul; with grouped-query
+        # attention the keys and values have fewer heads (n_kv_head) than the queries
+        kv = cfg.kv_heads * cfg.head_size
+        self.c_attn = nn.Linear(cfg.n_embd, cfg.n_embd + 2 * kv, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         setattr(self.c_proj, "is_residual_proj", True)  # noqa: B010 (nn.Module's setattr is typed for tensors)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
         B, T, C = x.size()  # batch, sequence length, n_embd
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        kv = self.n_kv_head * self.hs
+        q, k, v = self.c_attn(x).split([C, kv, kv], dim=2)
+        q = q.view(B, T, self.n_head, self.hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_kv_head, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, self.n_kv_head, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
         if rope is not None:
             # Positions enter only here: rotating q and k makes q·k depend on their distance.
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q,
+            k,
+            v,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=True,
+            enable_gqa=self.n_kv_head != self.n_head,  # each k/v head serves n_head/n_kv_head queries
         )  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
         return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
+    """GELU (gpt2), or SwiGLU (llama, Shazeer 2020): silu(x W_gate) * (x W_up), the two input
+    projections fused into c_fc as [gate; up]."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.gelu = nn.GELU()
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.swiglu = cfg.arch == "llama"
+        hidden = cfg.ffn_hidden
+        self.c_fc = nn.Linear(cfg.n_embd, (2 if self.swiglu else 1) * hidden, bias=cfg.bias)
+        self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
         setattr(self.c_proj, "is_residual_proj", True)  # noqa: B010
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        h = self.c_fc(x)  # (B, T, hidden), or (B, T, 2 hidden) with SwiGLU
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)  # exact (erf) GELU
+        return self.dropout(self.c_proj(h))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = norm(cfg)
         self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
@@ -111,14 +145,15 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.h = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_f = norm(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
-        # Weight tying (Press & Wolf 2017): the output projection is the token embedding.
-        self.lm_head.weight = self.wte.weight
+        if cfg.tie_embeddings:
+            # Weight tying (Press & Wolf 2017): the output projection is the token embedding.
+            self.lm_head.weight = self.wte.weight
         if cfg.position == "rope":
             # Computed once and shared by every layer. Non-persistent: they follow the model across
             # devices but are derived from the config, so they stay out of checkpoints.
-            cos, sin = rope_cache(cfg.block_size, cfg.n_embd // cfg.n_head, cfg.rope_theta)
+            cos, sin = rope_cache(cfg.block_size, cfg.head_size, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self.init_weights)
@@ -135,10 +170,11 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        elif isinstance(module, nn.LayerNorm):
+        elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
             nn.init.ones_(module.weight)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
+            bias = getattr(module, "bias", None)  # RMSNorm has none
+            if isinstance(bias, Tensor):
+                nn.init.zeros_(bias)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         if idx.size(1) > self.cfg.block_size:
@@ -170,7 +206,7 @@ class GPT(nn.Module):
         return self.lm_head(x[:, [-1], :]), None  # (B, 1, V)
 
     def num_params(self, non_embedding: bool = False) -> int:
-        """Parameter count; the tied wte/lm_head weight is counted once. non_embedding drops wte and wpe."""
+        """Parameter count; a tied wte/lm_head weight is counted once. non_embedding drops wte and wpe."""
         n = sum(p.numel() for p in self.parameters())  # parameters() yields a shared tensor once
         if non_embedding:
             n -= self.wte.weight.numel()
@@ -183,9 +219,9 @@ class GPT(nn.Module):
         return analytic_flops_per_token(self.cfg)
 
     def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
-        """AdamW groups: decay the 2-D weights of Linear layers; not biases, LayerNorms or embeddings.
+        """AdamW groups: decay the 2-D weights of Linear layers; not biases, norms or embeddings.
 
-        lm_head's weight is wte's, an embedding, so it is not decayed.
+        A tied lm_head's weight is wte's, an embedding, so it is not decayed; an untied one is.
         """
         embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
         linear = {id(m.weight) for m in self.modules() if isinstance(m, nn.Linear)} - embeddings
@@ -225,18 +261,20 @@ class GPT(nn.Module):
 
 
 def analytic_num_params(cfg: ModelConfig) -> int:
-    """The parameter count of GPT(cfg) in closed form (tied lm_head counted once, with wte)."""
-    V, T, d, L = _vocab_size(cfg), cfg.block_size, cfg.n_embd, cfg.n_layer
+    """The parameter count of GPT(cfg) in closed form (a tied lm_head counted once, with wte)."""
+    V, T, d, L, f = _vocab_size(cfg), cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.ffn_hidden
+    kv = cfg.kv_heads * cfg.head_size  # the width of the keys, and of the values
     b = 1 if cfg.bias else 0  # each bias vector exists only with cfg.bias
-    layer_norm = d + b * d  # weight (+ bias)
-    attention = (d * 3 * d + b * 3 * d) + (d * d + b * d)  # c_attn (qkv) + c_proj
-    mlp = (d * 4 * d + b * 4 * d) + (4 * d * d + b * d)  # c_fc + c_proj
-    block = 2 * layer_norm + attention + mlp  # = 12 d^2 + 13 d with bias, 12 d^2 + 2 d without
+    norm = d + b * d  # weight (+ bias)
+    attention = (d * (d + 2 * kv) + b * (d + 2 * kv)) + (d * d + b * d)  # c_attn (qkv) + c_proj
+    n_in = 2 if cfg.arch == "llama" else 1  # SwiGLU's gate and up projections
+    mlp = n_in * (d * f + b * f) + (f * d + b * d)  # c_fc + c_proj
+    block = 2 * norm + attention + mlp  # gpt2: 12 d^2 + 13 d with bias, 12 d^2 + 2 d without
     return (
-        V * d  # wte, which is also lm_head's weight
+        V * d * (1 if cfg.tie_embeddings else 2)  # wte (and lm_head's own weight when untied)
         + (T * d if cfg.position == "learned" else 0)  # wpe; RoPE has no parameters
         + L * block  # transformer blocks
-        + layer_norm  # ln_f
+        + norm  # ln_f
     )
 
 
@@ -244,12 +282,15 @@ def analytic_flops_per_token(cfg: ModelConfig) -> int:
     """Training FLOPs (forward + backward) per token, in the PaLM convention (appendix B), as
     nanoGPT's estimate_mfu uses it: 6*N + 12*L*n_head*head_dim*T.
 
-    N is every parameter except the position embedding: each weight costs a multiply and an add
-    forward and twice that backward. The tied wte weight stays in N as the lm_head matmul (the
-    embedding lookup itself is free). The second term is the attention scores and their weighted
-    sum over the full T x T matrix, causal mask ignored. Computed from the config, not the
+    N is every parameter that is a matmul weight or norm: each costs a multiply and an add forward
+    and twice that backward. A tied wte weight stays in N as the lm_head matmul; untied, wte is a
+    lookup (free) and lm_head counts; wpe is a lookup too. The second term is the attention scores
+    and their weighted sum over the full T x T matrix, causal mask ignored (grouped-query attention
+    shares k/v heads but every query head still attends). Computed from the config, not the
     parameters, so it holds wherever the parameters live.
     """
-    n = analytic_num_params(cfg) - (cfg.block_size * cfg.n_embd if cfg.position == "learned" else 0)
-    head_dim = cfg.n_embd // cfg.n_head
-    return 6 * n + 12 * cfg.n_layer * cfg.n_head * head_dim * cfg.block_size
+    lookups = cfg.block_size * cfg.n_embd if cfg.position == "learned" else 0
+    if not cfg.tie_embeddings:
+        lookups += _vocab_size(cfg) * cfg.n_embd
+    n = analytic_num_params(cfg) - lookups
+    return 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_size * cfg.block_size

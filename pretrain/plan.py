@@ -108,9 +108,11 @@ def bytes_per_param(precision: str, stage: int) -> tuple[int, int, int]:
 def largest_layer_params(cfg: RunConfig) -> int:
     """The most parameters any one module holds (ZeRO-3 gathers one module's at a time)."""
     m = cfg.model
-    d, vocab = m.n_embd, m.vocab_size or 0
+    d, vocab, f = m.n_embd, m.vocab_size or 0, m.ffn_hidden
+    qkv = d + 2 * m.kv_heads * m.head_size  # c_attn's outputs
+    fc = (2 if m.arch == "llama" else 1) * f  # c_fc's outputs: SwiGLU fuses gate and up
     b = 1 if m.bias else 0
-    return max(vocab * d, 4 * d * d + b * 4 * d, 3 * d * d + b * 3 * d)
+    return max(vocab * d, fc * d + b * fc, f * d + b * d, qkv * d + b * qkv)
 
 
 def model_states(
@@ -159,7 +161,13 @@ def activation_bytes(cfg: RunConfig) -> float:
     vocab = m.vocab_size or 0
     a = 2 if cfg.precision.name in ("bf16", "fp16") else 4  # bytes per activation value
     masks = 2 * s * b * h if m.dropout > 0 else 0  # 1-byte dropout masks: attention out + MLP out
-    per_layer = 16 * s * b * h * a + masks  # Korthikanti's 32 sbh bytes at a = 2, without masks
+    # Values kept per token: the two norms' inputs (2h); attention's input, q, k, v and output
+    # (3h + 2 kv, flash attention keeps no T x T scores); the MLP's input and hidden activations,
+    # GELU's c_fc output and GELU output (2f), or SwiGLU's gate, up, silu(gate) and product (4f).
+    # For gpt2 (f = 4h, kv = h) that is Korthikanti's 32 sbh bytes at a = 2, without masks.
+    kv, f = m.kv_heads * m.head_size, m.ffn_hidden
+    per_token = 2 * h + (3 * h + 2 * kv) + h + (4 if m.arch == "llama" else 2) * f
+    per_layer = per_token * s * b * a + masks
     # With checkpointing: each block's input, and one block's activations while it is recomputed.
     layers = L * s * b * h * a + per_layer if m.activation_checkpointing else L * per_layer
     logits = s * b * vocab * (a + 4)  # the logits and cross-entropy's fp32 softmax
@@ -489,7 +497,7 @@ def render_plan(cfg: RunConfig, to: Target, rates: Rates | None = None) -> str:
     n = analytic_num_params(m)
     tbs = b.train_batch_size or 0
     lines = [
-        f"{cfg.preset}: {n / 1e6:.2f}M parameters (Ψ), {m.n_layer} layers, n_embd {m.n_embd}, "
+        f"{cfg.preset}: {n / 1e6:.2f}M parameters (Ψ), {m.arch}, {m.n_layer} layers, n_embd {m.n_embd}, "
         f"context {m.block_size}, vocab {m.vocab_size}, {cfg.precision.name}",
         f"batch: micro {b.micro_batch_size} x accumulation {b.gradient_accumulation_steps} x data-parallel "
         f"{b.data_parallel_size} = {tbs} sequences per step",

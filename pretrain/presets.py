@@ -3,7 +3,9 @@ rendered into `ds_configs/`.
 
 A preset is a partial tree (a nested dict) merged over the defaults; a run config file, a
 DeepSpeed JSON and `--set` overrides go on top, in that order (`build`). The char-level presets
-train on one CPU; the GPT-2 sizes use the 50257-token BPE and are meant for GPU clusters.
+train on one CPU; the GPT-2 sizes use the 50257-token BPE and are meant for GPU clusters. Each
+char-level size has a Llama-shaped twin (`llama-tiny`, ...: RMSNorm, SwiGLU, RoPE, grouped-query
+attention, no biases), and `llama-1b` is TinyLlama's 1.1B shape for GPU clusters.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ def _char(
     )
 
 
+def _llama(char_preset: dict[str, Any], n_kv_head: int) -> dict[str, Any]:
+    """A char-level preset's size and recipe with the Llama block."""
+    return deep_merge(char_preset, {"model": {"arch": "llama", "n_kv_head": n_kv_head}})
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Char-level on the embedded Shakespeare corpus; minutes on a laptop CPU.
     "tiny": _char(
@@ -94,6 +101,36 @@ PRESETS: dict[str, dict[str, Any]] = {
         "logging": {"log_interval": 1, "eval_interval": 500, "eval_batches": 20},
     },
 }
+PRESETS.update(
+    {
+        "llama-tiny": _llama(PRESETS["tiny"], n_kv_head=1),
+        "llama-small": _llama(PRESETS["small"], n_kv_head=2),
+        "llama-medium": _llama(PRESETS["medium"], n_kv_head=2),
+        # TinyLlama 1.1B's shape (Zhang et al. 2024): 22 layers, 32 query heads sharing 4 key/value
+        # heads, SwiGLU 5632 wide, untied embeddings, context 2048; GPT-2's BPE, on a100x16 with ZeRO-2.
+        "llama-1b": {
+            "model": {
+                "arch": "llama",
+                "n_layer": 22,
+                "n_head": 32,
+                "n_kv_head": 4,
+                "n_embd": 2048,
+                "intermediate_size": 5632,
+                "block_size": 2048,
+                "tie_embeddings": False,
+                "activation_checkpointing": True,
+            },
+            "data": _GPT2_DATA,
+            "optimizer": {"lr": 4e-4, "fused_adam": True},
+            "schedule": {"max_steps": 100_000, "warmup_steps": 2000},
+            "batch": {"micro_batch_size": 8, "gradient_accumulation_steps": 4},
+            "precision": {"bf16": True},
+            "zero": {"stage": 2},
+            "checkpoint": {"interval": 1000, "keep_last": 3},
+            "logging": {"log_interval": 10, "eval_interval": 1000, "eval_batches": 50},
+        },
+    }
+)
 
 
 def preset_dict(name: str) -> dict[str, Any]:

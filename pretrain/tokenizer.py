@@ -408,3 +408,53 @@ def load_tokenizer(path: str | Path, tokenizer_path: str | Path | None = None) -
             f"has {tok.fingerprint()}"
         )
     return tok
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face `tokenizers` equivalents, for the export's hf/ directory
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map of the 256 bytes to printable characters, in which byte-level BPE vocabularies
+    are written (printable ASCII and Latin-1 map to themselves, the rest to U+0100 onwards)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
+
+
+def hf_tokenizer(tok: Tokenizer) -> Any:
+    """A `tokenizers.Tokenizer` that encodes and decodes as `tok` does (built offline).
+
+    char: each character its own token (a BPE without merges), decoded by concatenation.
+    gpt2/bpe: byte-level BPE with GPT-2's pre-tokenizer. To reproduce tiktoken exactly, a word
+    that is itself a token is that token (`ignore_merges`), and every split of a token into two
+    tokens is a merge, ranked by the token: tiktoken merges any adjacent pair whose concatenation
+    has the lowest rank, not only the pair that first made it. <|endoftext|> is a special token.
+    """
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    if isinstance(tok, CharTokenizer):
+        hf = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(tok.chars)}, merges=[]))
+        hf.decoder = decoders.Fuse()
+        return hf
+    ranks: dict[bytes, int] = tok.enc._mergeable_ranks
+    to_str = _bytes_to_unicode()
+
+    def s(b: bytes) -> str:
+        return "".join(to_str[x] for x in b)
+
+    vocab = {s(t): r for t, r in ranks.items()}
+    merges = sorted(
+        (rank, s(token[:i]), s(token[i:]))
+        for token, rank in ranks.items()
+        for i in range(1, len(token))
+        if token[:i] in ranks and token[i:] in ranks
+    )
+    eot = tok.eot_token if tok.eot_token is not None else len(ranks)
+    vocab[ENDOFTEXT] = eot
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[(a, b) for _, a, b in merges], ignore_merges=True))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([AddedToken(ENDOFTEXT, special=True, normalized=False)])
+    return hf

@@ -359,3 +359,27 @@ def test_faults_parse_and_fire_once(tmp_path):
     assert f.hang == (1, 4) and f.hang_holds_gil
     (tmp_path / ".fault-hang-1-4").write_text("fired\n")
     f.after_step(4, 1)  # already fired: no hang
+
+
+def test_resume_refuses_another_arch_and_reads_model_fields_it_lacks_as_their_defaults(
+    char_dataset, tmp_path
+):
+    from pretrain.config import RunConfig
+    from pretrain.dataset import Dataset, load_manifest
+    from pretrain.errors import DataError
+
+    ds = Dataset(char_dataset, load_manifest(char_dataset))
+    cfg = RunConfig.model_validate({"model": {"vocab_size": 65}})
+    newer = ("arch", "n_kv_head", "intermediate_size", "tie_embeddings")
+    older = {k: v for k, v in cfg.model.model_dump(mode="json").items() if k not in newer}
+    meta = {"config": {"model": older}, "tokenizer_fingerprint": ds.manifest["tokenizer"]["fingerprint"]}
+    old = checkpoint.Checkpoint(tmp_path, "step_00000002", meta)
+    checkpoint.check_compatible(old, cfg, [ds], warn=False)  # a gpt2 checkpoint from before `arch`
+    llama = RunConfig.model_validate({"model": {"vocab_size": 65, "arch": "llama"}})
+    with pytest.raises(DataError) as e:
+        checkpoint.check_compatible(old, llama, [ds], warn=False)
+    assert "model.arch: checkpoint has 'gpt2', this run has 'llama'" in str(e.value)
+    assert "model.bias: checkpoint has True, this run has False" in str(e.value)
+    untied = RunConfig.model_validate({"model": {"vocab_size": 65, "tie_embeddings": False}})
+    with pytest.raises(DataError, match=r"model\.tie_embeddings: checkpoint has True, this run has False"):
+        checkpoint.check_compatible(old, untied, [ds], warn=False)

@@ -7,8 +7,9 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from tests.conftest import ckpt, cli
+from tests.conftest import CORPUS, TINY_SHAKESPEARE, ckpt, cli, require_shared_data
 
 
 @pytest.mark.distributed
@@ -59,3 +60,53 @@ def test_sample_from_an_export_and_from_a_checkpoint(two_ranks, exported):
     text = generate(model, tokenizer_for(where, cfg), "ROMEO:", 40, 0.9, 20, 7)[0]
     assert a.stdout == text + "\n"
     assert generate(model, tokenizer_for(where, cfg), "ROMEO:", 40, 0.9, 20, 8)[0] != text  # another seed
+
+
+@pytest.mark.distributed
+def test_llama_run_with_a_trained_bpe_exports_to_llama_and_samples(tmp_path):
+    """prepare (trained BPE) → train a GQA llama → export → LlamaForCausalLM gives our logits and
+    its tokenizer our tokens; sampling works from the export and from the checkpoint."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a dev extra")
+    require_shared_data()
+    data = [CORPUS, f"--set=data.dataset_dir={tmp_path / 'data'}", "--set=data.tokenizer=bpe",
+            "--set=data.bpe_vocab_size=512"]  # fmt: skip
+    done = cli("prepare", *data)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = [*data, f"--set=logging.run_dir={tmp_path / 'run'}", "--set=model.n_embd=64", "--set=model.n_head=4",
+           "--set=model.n_kv_head=2", "--set=model.block_size=64", "--set=model.tie_embeddings=false",
+           "--set=batch.micro_batch_size=4", "--set=schedule.max_steps=4", "--set=schedule.warmup_steps=1",
+           "--set=logging.log_interval=1", "--set=logging.eval_interval=100", "--set=logging.sample_tokens=0",
+           "--set=checkpoint.interval=4"]  # fmt: skip
+    done = cli("train", "--preset", "llama-tiny", *run)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "export"
+    done = cli("export", str(tmp_path / "run"), "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Hugging Face LlamaForCausalLM dir" in done.stdout
+    assert (out / "pretrain_tokenizer.json").is_file() and (out / "tokenizer.tiktoken").is_file()
+    assert "lm_head.weight" in load_file(str(out / "model.safetensors"))  # untied: stored
+
+    from pretrain.export import load_model, tokenizer_for
+
+    ours, cfg, where = load_model(out)
+    assert cfg.model.arch == "llama" and not cfg.model.bias and cfg.model.position == "rope"
+    tok = tokenizer_for(where, cfg)
+    text = TINY_SHAKESPEARE.read_text(encoding="utf-8")
+    val = text[int(len(text) * 0.9) :]
+    ids = tok.encode(val)
+    assert transformers.AutoTokenizer.from_pretrained(out / "hf")(val)["input_ids"] == ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+    assert type(hf).__name__ == "LlamaForCausalLM" and hf.config.num_key_value_heads == 2
+    idx = torch.tensor([ids[i * 64 : (i + 1) * 64] for i in range(3)])
+    with torch.no_grad():
+        diff = (ours(idx, idx)[0] - hf(idx).logits).abs().max().item()
+    print(f"trained llama (bpe 512): max |logit difference| vs LlamaForCausalLM {diff:.1e}")
+    assert diff < 1e-4
+
+    args = ["--prompt", "ROMEO:", "--max-new-tokens", "20", "--seed", "3"]
+    a = cli("sample", str(out), *args)
+    assert a.returncode == 0, a.stderr[-3000:]
+    assert (ckpt(tmp_path, "run", 4) / "tokenizer.tiktoken").is_file()  # the checkpoint holds the BPE's ranks
+    b = cli("sample", str(ckpt(tmp_path, "run", 4)), *args)
+    assert b.returncode == 0, b.stderr[-3000:]
+    assert a.stdout == b.stdout and a.stdout.startswith("ROMEO:")

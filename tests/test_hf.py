@@ -1,24 +1,162 @@
-"""The Hugging Face GPT-2 directory of an export gives our logits in transformers' GPT2LMHeadModel."""
+"""The Hugging Face directory of an export: transformers loads it as is (model, tokenizer,
+generation config, pipeline), gives our logits, and tokenizes exactly as we do, for every
+tokenizer kind and every architecture."""
 
 from __future__ import annotations
+
+import json
+import stat
+from collections import Counter
+from functools import cache
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from pretrain.config import RunConfig
+from pretrain.export import hf_architecture, write_hf
+from pretrain.model import GPT
+from pretrain.tokenizer import BPETokenizer, CharTokenizer, TiktokenTokenizer, Tokenizer, count_words
+from tests.conftest import GPT2_RANKS, TINY_SHAKESPEARE, require_shared_data
 
-@pytest.mark.distributed
-def test_hf_gpt2_dir_gives_our_logits(exported):
-    transformers = pytest.importorskip("transformers", reason="transformers is a dev extra")
-    from pretrain.export import load_model
+transformers = pytest.importorskip("transformers", reason="transformers is a dev extra")
 
-    ours, _, _ = load_model(exported)
-    hf = transformers.GPT2LMHeadModel.from_pretrained(exported / "hf").eval()
-    idx = torch.randint(
-        0, ours.cfg.vocab_size or 2, (3, ours.cfg.block_size), generator=torch.Generator().manual_seed(0)
-    )
+
+@cache
+def texts() -> tuple[str, str]:
+    """tiny-shakespeare's train and val text, cut 90/10 as `pretrain data prepare` cuts one document."""
+    text = TINY_SHAKESPEARE.read_text(encoding="utf-8")
+    cut = int(len(text) * 0.9)
+    return text[:cut], text[cut:]
+
+
+@cache
+def tokenizer(kind: str) -> Tokenizer:
+    require_shared_data()
+    train, val = texts()
+    if kind == "char":
+        return CharTokenizer.fit([train + val])
+    if kind == "gpt2":
+        return TiktokenTokenizer(GPT2_RANKS)
+    counts: Counter[bytes] = Counter()
+    count_words(train, counts)
+    return BPETokenizer.train(counts, 1024)
+
+
+def write_random_export(out: Path, tok: Tokenizer, **model: Any) -> GPT:
+    """A randomly initialised model (its weights spread, so the logits differ a lot between
+    tokens) written by `write_hf`; returns the model in eval mode."""
+    shape = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "vocab_size": tok.vocab_size}
+    cfg = RunConfig.model_validate({"model": shape | model})
+    torch.manual_seed(0)
+    ours = GPT(cfg.model).eval()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    write_hf(out, cfg.model, {k: v.clone() for k, v in ours.state_dict().items()}, "fp32", tok)
+    return ours
+
+
+def logit_difference(ours: GPT, hf_dir: Path, ids: list[int]) -> float:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    T = ours.cfg.block_size
+    idx = torch.tensor([ids[i * T : (i + 1) * T] for i in range(3)])  # (3, T) of real text
     with torch.no_grad():
         logits, _ = ours(idx, idx)  # with targets: logits at every position
         theirs = hf(idx).logits
-    diff = (logits - theirs).abs().max().item()
-    print(f"max |logit difference| vs GPT2LMHeadModel: {diff:.1e}")
+    return (logits - theirs).abs().max().item()
+
+
+@pytest.mark.parametrize("kind", ["char", "gpt2", "bpe"])
+def test_hf_tokenizer_and_logits_match_ours_for_each_tokenizer_kind(kind, tmp_path):
+    tok = tokenizer(kind)
+    _, val = texts()
+    ours = write_random_export(tmp_path / "hf", tok)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = tok.encode(val)
+    assert theirs(val)["input_ids"] == ids  # the whole validation text, nothing added
+    assert theirs.decode(ids) == val
+    assert theirs("ROMEO:")["input_ids"] == tok.encode("ROMEO:") != []
+    assert len(theirs) == tok.vocab_size
+    if tok.eot_token is not None:  # a literal end-of-text marker is text to us, and to it
+        assert theirs("a<|endoftext|>")["input_ids"] == tok.encode("a<|endoftext|>")
+        assert theirs.eos_token_id == tok.eot_token
+    diff = logit_difference(ours, tmp_path / "hf", ids)
+    print(f"{kind}: {len(ids):,} val tokens equal; max |logit difference| vs GPT2LMHeadModel {diff:.1e}")
     assert diff < 1e-5
+
+
+ARCHS = {
+    "gpt2": ({}, "GPT2LMHeadModel", 1e-5),
+    "gpt2-nobias-untied": ({"bias": False, "tie_embeddings": False}, "GPT2LMHeadModel", 1e-5),
+    "gpt2-rope": ({"position": "rope"}, "GPTNeoXForCausalLM", 1e-5),
+    "gpt2-rope-nobias": ({"position": "rope", "bias": False}, "GPTNeoXForCausalLM", 1e-5),
+    "llama-gqa": ({"arch": "llama", "n_kv_head": 2}, "LlamaForCausalLM", 1e-4),
+    "llama-mqa-untied": (
+        {"arch": "llama", "n_kv_head": 1, "tie_embeddings": False, "intermediate_size": 96},
+        "LlamaForCausalLM",
+        1e-4,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_hf_model_gives_our_logits_for_each_arch(name, tmp_path):
+    model, architecture, tolerance = ARCHS[name]
+    tok = tokenizer("char")
+    ours = write_random_export(tmp_path / "hf", tok, **model)
+    assert hf_architecture(ours.cfg) == architecture
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [architecture]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(hf).__name__ == architecture
+    diff = logit_difference(ours, tmp_path / "hf", tok.encode(texts()[1]))
+    print(f"{name}: max |logit difference| vs {architecture} {diff:.1e}")
+    assert diff < tolerance
+
+
+def test_pipeline_generation_config_and_greedy_decoding_match(tmp_path):
+    tok = tokenizer("gpt2")
+    ours = write_random_export(tmp_path / "hf", tok, arch="llama", n_kv_head=2)
+    gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == gen["bos_token_id"] == gen["pad_token_id"] == 50256
+    assert gen["max_length"] == 64 and gen["do_sample"]
+    for p in (tmp_path / "hf").iterdir():  # readable by others (umask 022 here): not 0600
+        assert stat.S_IMODE(p.stat().st_mode) & 0o044 == 0o044, p.name
+
+    pipe = transformers.pipeline("text-generation", model=str(tmp_path / "hf"))
+    out = pipe("ROMEO:", max_new_tokens=8)[0]["generated_text"]
+    assert out.startswith("ROMEO:") and len(out) > len("ROMEO:")
+    # Greedy decoding: HF's generate picks the tokens ours does.
+    prompt = torch.tensor([tok.encode("ROMEO:")])
+    mine = ours.generate(prompt, 10, top_k=1)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    theirs = hf.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    assert theirs.tolist() == mine.tolist()
+
+
+@pytest.mark.distributed
+def test_hf_dir_of_a_trained_export(exported):
+    """The export of the shared 2-rank job (char-level, GPT-2 shape, ZeRO-3)."""
+    from pretrain.export import load_model, tokenizer_for
+
+    ours, cfg, where = load_model(exported)
+    tok = tokenizer_for(where, cfg)
+    _, val = texts()
+    ids = tok.encode(val)
+    assert transformers.AutoTokenizer.from_pretrained(exported / "hf")(val)["input_ids"] == ids
+    diff = logit_difference(ours, exported / "hf", ids)
+    print(f"trained export: max |logit difference| vs GPT2LMHeadModel {diff:.1e}")
+    assert diff < 1e-5
+    assert not (exported / "tokenizer.json").exists()  # ours is pretrain_tokenizer.json
+    assert sorted(p.name for p in (exported / "hf").iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    for p in [*exported.iterdir(), *(exported / "hf").iterdir()]:
+        assert stat.S_IMODE(p.stat().st_mode) & 0o044 == 0o044, p.name
+    out = transformers.pipeline("text-generation", model=str(exported / "hf"))("ROMEO:", max_new_tokens=5)
+    assert out[0]["generated_text"].startswith("ROMEO:")

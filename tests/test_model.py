@@ -234,3 +234,114 @@ def test_generate_top_k_one_is_greedy() -> None:
         logits, _ = model(idx)
         idx = torch.cat((idx, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
     assert torch.equal(out, idx)
+
+
+# ---------------------------------------------------------------------------------------------
+# arch llama: RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases
+
+
+def test_llama_defaults_and_rules() -> None:
+    cfg = make_cfg(arch="llama")
+    assert (cfg.bias, cfg.position, cfg.kv_heads, cfg.ffn_hidden) == (False, "rope", 2, 128)  # 8/3*32 → 128
+    assert make_cfg(arch="llama", n_embd=768, n_head=12).ffn_hidden == 2048  # 8/3*768 = 2048
+    assert make_cfg().ffn_hidden == 4 * 32
+    for bad, message in [
+        (dict(arch="llama", bias=True), "arch llama has no biases"),
+        (dict(arch="llama", position="learned"), "arch llama uses rotary positions"),
+        (dict(arch="llama", n_head=4, n_kv_head=3), "must divide n_head"),
+        (dict(n_kv_head=1), "grouped-query attention: set model.arch=llama"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            make_cfg(**bad)
+
+
+def test_llama_block_is_rmsnorm_swiglu_gqa_without_biases() -> None:
+    model = make_model(arch="llama", n_head=4, n_kv_head=2)
+    block = first_block(model)
+    assert isinstance(block.ln_1, nn.RMSNorm) and isinstance(model.ln_f, nn.RMSNorm)
+    assert block.attn.c_attn.weight.shape == (32 + 2 * 2 * 8, 32)  # q: 4 heads, k and v: 2 heads of 8
+    assert block.mlp.c_fc.weight.shape == (2 * 128, 32)  # gate and up
+    assert not any(name.endswith("bias") for name, _ in model.named_parameters())
+    x = torch.randn(2, 5, 32)
+    gate, up = block.mlp.c_fc(x).chunk(2, dim=-1)
+    torch.testing.assert_close(block.mlp(x), block.mlp.c_proj(torch.nn.functional.silu(gate) * up))
+
+
+def test_grouped_query_attention_equals_attention_with_repeated_kv_heads() -> None:
+    # n_kv_head=1: one k/v head serves both query heads; the same as two identical k/v heads.
+    gqa = make_model(arch="llama", n_kv_head=1)
+    full = GPT(make_cfg(arch="llama"))
+    sd = gqa.state_dict()
+    for i in range(2):
+        q, k, v = sd[f"h.{i}.attn.c_attn.weight"].split([32, 16, 16])
+        sd[f"h.{i}.attn.c_attn.weight"] = torch.cat([q, k, k, v, v])
+    full.load_state_dict(sd)
+    idx = tokens(2, 12)
+    torch.testing.assert_close(gqa.eval()(idx, idx)[0], full.eval()(idx, idx)[0])
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize(
+    ("n_head", "n_kv_head", "intermediate_size"), [(2, None, None), (4, 1, 96), (4, 2, None)]
+)
+def test_llama_num_params_and_flops(
+    tie: bool, n_head: int, n_kv_head: int | None, intermediate_size: int | None
+) -> None:
+    cfg = make_cfg(
+        arch="llama",
+        n_head=n_head,
+        n_kv_head=n_kv_head,
+        intermediate_size=intermediate_size,
+        tie_embeddings=tie,
+    )
+    model = GPT(cfg)
+    assert model.num_params() == analytic_num_params(cfg)
+    assert (model.lm_head.weight is model.wte.weight) == tie
+    # untied: the wte lookup costs nothing, the lm_head matmul counts
+    n = model.num_params() - (0 if tie else VOCAB * 32)
+    assert model.flops_per_token() == 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
+def test_tinyllama_formula() -> None:
+    # TinyLlama-1.1B's shape with its 32000-token vocabulary: HF's count is 1,100,048,384.
+    cfg = ModelConfig(
+        arch="llama", n_layer=22, n_head=32, n_kv_head=4, n_embd=2048, intermediate_size=5632,
+        block_size=2048, vocab_size=32000, tie_embeddings=False,
+    )  # fmt: skip
+    assert analytic_num_params(cfg) == 1_100_048_384
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_llama_trains_checkpoints_and_decays_an_untied_head(tie: bool) -> None:
+    model = make_model(arch="llama", n_kv_head=1, tie_embeddings=tie, dropout=0.1)
+    groups = model.param_groups(weight_decay=0.1)
+    assert (id(model.lm_head.weight) in {id(p) for p in groups[0]["params"]}) == (not tie)
+    assert id(model.wte.weight) in {id(p) for p in groups[1]["params"]}
+    ckpt = GPT(
+        make_cfg(arch="llama", n_kv_head=1, tie_embeddings=tie, dropout=0.1, activation_checkpointing=True)
+    )
+    ckpt.load_state_dict(model.state_dict())
+    idx = tokens(2, 12)
+    losses = []
+    for m in (model, ckpt):
+        m.train()
+        torch.manual_seed(3)
+        _, loss = m(idx, idx)
+        assert loss is not None
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1])
+    for (name, p), q in zip(model.named_parameters(), ckpt.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_llama_causality_and_generate() -> None:
+    model = make_model(arch="llama", n_kv_head=1).eval()
+    idx = tokens(2, 12)
+    changed = idx.clone()
+    changed[:, 8] = (changed[:, 8] + 1) % VOCAB
+    before, after = model(idx, idx)[0], model(changed, changed)[0]
+    torch.testing.assert_close(before[:, :8], after[:, :8])
+    assert not torch.allclose(before[:, 8:], after[:, 8:])
+    out = model.generate(idx[:, :4], 20, top_k=5, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 24)  # past block_size: the context is cropped

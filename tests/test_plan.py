@@ -218,3 +218,32 @@ def test_plan_reads_the_bus_bandwidth_preflight_measured(char_dataset, tmp_path,
         f"all-reduce bus bandwidth {measured['busbw'] / 1e9:.3g} GB/s ({tmp_path / 'run'}/preflight.json"
         in text
     )
+
+
+def test_plan_knows_the_llama_shape(capsys):
+    v = "model.vocab_size=50257"
+    cfg = build("llama-1b", overrides=[v], world_size=16)
+    m = cfg.model
+    assert (m.arch, m.kv_heads, m.ffn_hidden, m.tie_embeddings) == ("llama", 4, 5632, False)
+    n = analytic_num_params(m)
+    assert 1.0e9 < n < 1.25e9  # TinyLlama's shape with GPT-2's vocabulary
+    # untied: the wte lookup is not a matmul, the lm_head is
+    assert analytic_flops_per_token(m) == 6 * (n - 50257 * 2048) + 12 * 22 * 2048 * 2048
+    assert largest_layer_params(cfg) == 50257 * 2048
+    # Activations per layer: 2h norms + 3h + 2kv attention + h + 4f SwiGLU values a token
+    h, kv, f = 2048, 256, 5632
+    no_ckpt = build("llama-1b", overrides=[v, "model.activation_checkpointing=false"], world_size=16)
+    s, b, a = 2048, 8, 2
+    per_layer = (2 * h + 3 * h + 2 * kv + h + 4 * f) * s * b * a
+    logits = s * b * 50257 * (a + 4)
+    assert activation_bytes(no_ckpt) == 22 * per_layer + logits + s * b * h * a
+    # grouped-query attention keeps smaller k and v than full attention
+    mha = build(
+        "llama-1b", overrides=[v, "model.activation_checkpointing=false", "model.n_kv_head=32"], world_size=16
+    )
+    assert activation_bytes(mha) - activation_bytes(no_ckpt) == 22 * 2 * (h - kv) * s * b * a
+    text = run_plan(capsys, "llama-tiny", "--world-size", "2")
+    assert text.startswith(
+        f"llama-tiny: {analytic_num_params(build('llama-tiny', overrides=['model.vocab_size=65']).model) / 1e6:.2f}M parameters"
+    )
+    assert ", llama, 2 layers" in text.splitlines()[0]
