@@ -23,7 +23,7 @@ import pytest
 from tests.conftest import ROOT, require_shared_data
 
 SEED = 20261203
-CASES_PER_COMMAND = 30
+CASES_PER_COMMAND = 60
 HANG_S = 60  # a case still running after this is a hang
 
 # Commands fuzzed with random arguments. `train` and `preflight` start ranks and reach hosts; they
