@@ -328,6 +328,36 @@ class ZeroConfig(Section):
         return problems
 
 
+class CompileConfig(Section):
+    """torch.compile of the model, applied through DeepSpeed's engine (`engine.compile`), which
+    compiles the module in place: its parameters and state_dict keys stay those of the eager model,
+    so checkpoints and exports are the same either way."""
+
+    enabled: bool = Field(
+        False,
+        description="Compile the model's forward (and, through AOTAutograd, its backward) with torch.compile. "
+        "The first steps pay the compilation (tens of seconds on a CPU, cached on disk by TorchInductor).",
+    )
+    backend: str = Field(
+        "inductor", min_length=1, description="torch.compile backend: inductor, aot_eager, eager, ..."
+    )
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        "default",
+        description="torch.compile mode: 'reduce-overhead' adds CUDA graphs, 'max-autotune' searches kernels "
+        "(long compiles).",
+    )
+    dynamic: bool | None = Field(
+        None,
+        description="Dynamic shapes: False compiles for the exact shapes met, True for symbolic ones, None "
+        "(torch's default) starts static and goes dynamic on a shape change. Training shapes are fixed.",
+    )
+
+    def broken_rules(self, context: dict[str, Any]) -> list[str]:
+        if self.mode != "default" and self.backend != "inductor":
+            return [f"mode {self.mode!r} is a TorchInductor mode: it needs backend 'inductor', not {self.backend!r}"]
+        return []
+
+
 class CheckpointConfig(Section):
     dir: str = Field(
         "checkpoints", min_length=1, description="Checkpoint directory, relative to the run dir."
@@ -457,6 +487,7 @@ class RunConfig(Section):
     batch: BatchConfig = Field(default_factory=BatchConfig, description="Micro batch x accumulation x DP.")
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig, description="fp32, bf16 or fp16.")
     zero: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage and offload.")
+    compile: CompileConfig = Field(default_factory=CompileConfig, description="torch.compile of the model.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logs, eval and sampling.")
     launch: LaunchConfig = Field(
@@ -628,6 +659,7 @@ MODELED_DEEPSPEED_KEYS = {
     "tensorboard",
     "csv_monitor",
     "wandb",
+    "compile",  # DeepSpeed's DeepCompile switches: the tree's `compile` section (ds_config.py reads them)
 }
 
 # Every other top-level key DeepSpeed's config parser reads (deepspeed/runtime/config.py and the
@@ -667,7 +699,6 @@ DEEPSPEED_PASSTHROUGH_KEYS = {
     "nebula",
     "dataloader_drop_last",
     "use_data_before_expert_parallelism",
-    "compile",
     "timers",
     "weight_quantization",
     "hybrid_engine",
