@@ -178,7 +178,9 @@ def bench_size(
         else:
             loops[loop] = our_loop(cfg([f"compile.enabled={loop.endswith('compiled')}"]), dist)
         loops[loop].steps(args.warmup)  # compiles, warms the allocator and the prefetch
-        print(f"  built {loop} and ran {args.warmup} warm-up steps: {time.perf_counter() - t:.1f} s", flush=True)
+        print(
+            f"  built {loop} and ran {args.warmup} warm-up steps: {time.perf_counter() - t:.1f} s", flush=True
+        )
     g = torch.Generator().manual_seed(0)
     a, bm = torch.randn(2048, 2048, generator=g), torch.randn(2048, 2048, generator=g)
     rates: dict[str, list[float]] = {k: [] for k in loops}
@@ -205,7 +207,9 @@ def bench_size(
         print(
             f"  {k:<16} {v:>10,.0f} {gflops:>8.1f} {100 * gflops / (1000 * gemm):>7.1f}%   {cpu_med[k]:>12,.0f}"
         )
-    print(f"  fp32 GEMM peak (2048^2, {torch.get_num_threads()} threads, best window): {1000 * gemm:.1f} GFLOP/s")
+    print(
+        f"  fp32 GEMM peak (2048^2, {torch.get_num_threads()} threads, best window): {1000 * gemm:.1f} GFLOP/s"
+    )
     pe, pc, oe, oc = (med[k] for k in LOOPS)
     print(
         f"  ratios: ours compiled / plain eager {oc / pe:.3f}; ours compiled / plain compiled {oc / pc:.3f}; "
@@ -227,7 +231,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="Steps per loop per round, 4/4/128.")
     ap.add_argument("--medium-steps", type=int, default=3, help="Steps per loop per round, medium.")
     ap.add_argument("--medium-micro-batch", type=int, default=8, help="Micro batch of the medium model.")
-    ap.add_argument("--warmup", type=int, default=3, help="Untimed steps per loop (compilation happens here).")
+    ap.add_argument(
+        "--warmup", type=int, default=3, help="Untimed steps per loop (compilation happens here)."
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared box).")
     ap.add_argument("--sizes", default="4/4/128,medium", help="Comma-separated: 4/4/128, medium.")
     ap.add_argument("--quick", action="store_true", help="2 rounds, 15 and 1 steps: a smoke run.")

@@ -354,7 +354,9 @@ class CompileConfig(Section):
 
     def broken_rules(self, context: dict[str, Any]) -> list[str]:
         if self.mode != "default" and self.backend != "inductor":
-            return [f"mode {self.mode!r} is a TorchInductor mode: it needs backend 'inductor', not {self.backend!r}"]
+            return [
+                f"mode {self.mode!r} is a TorchInductor mode: it needs backend 'inductor', not {self.backend!r}"
+            ]
         return []
 
 

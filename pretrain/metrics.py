@@ -162,10 +162,7 @@ def cpu_fma_peak_tflops(threads: int, cpuinfo: str | None = None) -> float | Non
         if key.strip() == "flags" and not flags:
             flags = set(value.split())
         elif key.strip() == "cpu MHz" and not mhz:
-            try:
-                mhz = float(value)
-            except ValueError:
-                pass
+            mhz = float(value) if value.strip().replace(".", "", 1).isdigit() else 0.0
     lanes = 16 if "avx512f" in flags else 8 if {"avx2", "fma"} <= flags else 4 if "sse2" in flags else 0
     if not (lanes and mhz > 0):
         return None

@@ -14,7 +14,12 @@ from pretrain.errors import ConfigError
 from tests.conftest import ckpt, cli, torchrun
 
 STEPS = 20
-SHAPE = [f"schedule.max_steps={STEPS}", "logging.eval_interval=10", "checkpoint.interval=10", "checkpoint.keep_last=5"]
+SHAPE = [
+    f"schedule.max_steps={STEPS}",
+    "logging.eval_interval=10",
+    "checkpoint.interval=10",
+    "checkpoint.keep_last=5",
+]
 STAGES = (0, 1, 2, 3)
 
 
@@ -59,7 +64,9 @@ def test_compiled_matches_eager_over_20_steps(compiled, stage):
     print(f"ZeRO-{stage}: max |compiled - eager| loss over {STEPS} steps = {diff:.2e}")
     assert diff < 1e-4, (eager, comp)
     assert comp[-1] < comp[0] - 0.3  # and it trains
-    assert res[f"compiled_z{stage}"]["val_loss"] == pytest.approx(res[f"eager_z{stage}"]["val_loss"], abs=1e-4)
+    assert res[f"compiled_z{stage}"]["val_loss"] == pytest.approx(
+        res[f"eager_z{stage}"]["val_loss"], abs=1e-4
+    )
 
 
 @pytest.mark.distributed
@@ -105,7 +112,7 @@ def test_export_of_a_compiled_run(compiled, tmp_path):
 def test_compile_section_defaults_and_rules():
     cfg = validate({}, world_size=1)
     assert cfg.compile.enabled is False and cfg.compile.backend == "inductor"
-    with pytest.raises(ConfigError, match="compile.mode"):
+    with pytest.raises(ConfigError, match=r"compile\.mode"):
         validate({"compile": {"mode": "fast"}}, world_size=1)
     with pytest.raises(ConfigError, match="needs backend 'inductor'"):
         validate({"compile": {"mode": "max-autotune", "backend": "aot_eager"}}, world_size=1)
