@@ -198,7 +198,9 @@ class DataConfig(Section):
         2, ge=0, le=64, description="Micro batches the loader prepares ahead in a background thread; 0: none."
     )
     verify_shards: bool = Field(
-        True, description="Check every shard's sha256 when the loader opens it (reads all the data once)."
+        True,
+        description="Check every shard's sha256 when the loader opens it (reads all the data once, on the first "
+        "rank of each host; the others check headers and sizes).",
     )
 
     def resolved_dir(self) -> Path:

@@ -191,6 +191,16 @@ def device_peak_tflops(
     return None, f"{device.type}: unknown peak, set logging.peak_tflops"
 
 
+def seconds_since_process_start() -> float | None:
+    """Wall seconds since this process started (Linux /proc), the interpreter's start-up included."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
 # ---------------------------------------------------------------------------------------------
 # Memory
 

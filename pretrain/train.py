@@ -31,6 +31,7 @@ from pretrain.metrics import (
     available_monitors,
     device_peak_tflops,
     gather_interval,
+    seconds_since_process_start,
     summarize,
 )
 from pretrain.model import analytic_num_params
@@ -155,6 +156,13 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
                 interval.reset()
             continue
         at.bad_streak.clear()
+        if at.step == start_step:
+            since = seconds_since_process_start()
+            dist.log(
+                f"first step done {since:.1f} s after the command started"
+                if since is not None
+                else "first step done"
+            )
         interval.loss_sum += step_loss
         interval.steps += 1
         at.step += 1
@@ -310,7 +318,7 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
             world_size=dist.world_size,
             seed=cfg.data.seed,
             shuffle=shuffle,
-            verify=cfg.data.verify_shards,
+            verify=cfg.data.verify_shards and dist.local_rank == 0,  # one full read per host, not per rank
             weights=[d.weight for d in datasets] if shuffle else None,
             prefetch=cfg.data.prefetch if shuffle else 0,
         )
