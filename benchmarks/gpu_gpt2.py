@@ -40,7 +40,7 @@ from pretrain.config import RunConfig  # noqa: E402
 from pretrain.dataset import load_manifest, resolve_vocab  # noqa: E402
 from pretrain.guards import Faults  # noqa: E402
 from pretrain.loader import ShardedLoader  # noqa: E402
-from pretrain.metrics import PhaseTimer, device_peak_tflops  # noqa: E402
+from pretrain.metrics import PhaseTimer, device_peak_tflops, peak_memory_bytes  # noqa: E402
 from pretrain.model import GPT, analytic_flops_per_token  # noqa: E402
 from pretrain.prepare import prepare  # noqa: E402
 from pretrain.presets import build  # noqa: E402
@@ -53,7 +53,10 @@ VOCAB = 50304  # GPT-2's 50257 rounded up to a multiple of 64, as nanoGPT does
 def corpus(path: Path, n_chars: int) -> Path:
     """A generated text: random words, enough for the run's batches; throughput does not read it."""
     rng = random.Random(0)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 9))) for _ in range(5000)]
+    words = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 9)))
+        for _ in range(5000)
+    ]
     with path.open("w") as f:
         written = 0
         while written < n_chars:
@@ -117,7 +120,9 @@ def ours(cfg: RunConfig, dist: engine.Dist) -> tuple[Callable[[int], torch.Tenso
         lr = lr_at(i, cfg.optimizer.lr, cfg.schedule)
         for group in run.engine.optimizer.param_groups:
             group["lr"] = lr
-        loss, _, verdict = train_step(run, timer, faults, run.train_data.consumed_samples, want_grad_norm=False)
+        loss, _, verdict = train_step(
+            run, timer, faults, run.train_data.consumed_samples, want_grad_norm=False
+        )
         bad, _ = verdict.wait()
         if bad:
             raise RuntimeError(f"non-finite loss at step {i}")
@@ -167,7 +172,9 @@ def plain(cfg: RunConfig, device: torch.device) -> Callable[[int], torch.Tensor]
     return step
 
 
-def timed(step: Callable[[int], torch.Tensor], start: int, n: int, device: torch.device) -> tuple[float, float]:
+def timed(
+    step: Callable[[int], torch.Tensor], start: int, n: int, device: torch.device
+) -> tuple[float, float]:
     """(seconds for n steps, their mean loss): one host sync at the end, as a log interval has."""
     sync(device)
     t = time.perf_counter()
@@ -180,7 +187,10 @@ def timed(step: Callable[[int], torch.Tensor], start: int, n: int, device: torch
 
 
 def measure(
-    loops: dict[str, Callable[[int], torch.Tensor]], cfg: RunConfig, args: argparse.Namespace, device: torch.device
+    loops: dict[str, Callable[[int], torch.Tensor]],
+    cfg: RunConfig,
+    args: argparse.Namespace,
+    device: torch.device,
 ) -> dict[str, dict[str, float]]:
     """Alternating rounds of each loop; medians of tokens/s, MFU, and the peak memory of each."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -194,7 +204,10 @@ def measure(
             timed(step, 0, args.warmup, device)  # compiles
         done[name] = args.warmup
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"  {name}: {args.warmup} warm-up steps (compilation) {time.perf_counter() - t:.1f} s", flush=True)
+            print(
+                f"  {name}: {args.warmup} warm-up steps (compilation) {time.perf_counter() - t:.1f} s",
+                flush=True,
+            )
     rates: dict[str, list[float]] = {k: [] for k in loops}
     mem: dict[str, float] = dict.fromkeys(loops, 0.0)
     for r in range(args.rounds):
@@ -205,13 +218,17 @@ def measure(
                 dt, _ = timed(loops[name], done[name], args.steps, device)
             done[name] += args.steps
             rates[name].append(tokens / dt)
-            if device.type == "cuda":
-                mem[name] = max(mem[name], torch.cuda.max_memory_allocated(device) / 2**30)
+            mem[name] = max(mem[name], peak_memory_bytes(device) / 2**30)  # the process's peak RSS on a CPU
     out = {}
     for name, v in rates.items():
         tps = statistics.median(v)
         mfu = tps / world * flops / (peak_tflops * 1e12) if peak_tflops else float("nan")
-        out[name] = {"tokens_per_s": tps, "mfu": mfu, "peak_mem_gib": mem[name], "peak_tflops": peak_tflops or 0.0}
+        out[name] = {
+            "tokens_per_s": tps,
+            "mfu": mfu,
+            "peak_mem_gib": mem[name],
+            "peak_tflops": peak_tflops or 0.0,
+        }
         if int(os.environ.get("RANK", "0")) == 0:
             print(
                 f"  {name:<34} {tps:>12,.0f} tokens/s   MFU {100 * mfu:5.1f}% of {peak_tflops or 0:.4g} TFLOP/s "
@@ -237,7 +254,9 @@ def all_ranks(args: argparse.Namespace, work: Path, n: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cpu-smoke", action="store_true", help="Tiny model on the CPU: checks the script end to end.")
+    ap.add_argument(
+        "--cpu-smoke", action="store_true", help="Tiny model on the CPU: checks the script end to end."
+    )
     ap.add_argument("--rounds", type=int, default=5, help="Alternating rounds.")
     ap.add_argument("--steps", type=int, default=20, help="Steps per loop per round.")
     ap.add_argument("--warmup", type=int, default=5, help="Untimed steps per loop (compilation).")
