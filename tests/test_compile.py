@@ -124,3 +124,26 @@ def test_deepspeed_compile_section_is_read_not_passed_through():
     assert "deepspeed_extra" not in tree_from_deepspeed({"compile": {"deepcompile": False}})
     with pytest.raises(ConfigError, match="DeepCompile is not modeled"):
         tree_from_deepspeed({"compile": {"deepcompile": True}})
+
+
+@pytest.mark.distributed
+def test_gpu_benchmark_runs_end_to_end_on_the_cpu():
+    """benchmarks/gpu_gpt2.py --cpu-smoke: our path and the plain loop, compiled, then our path
+    on 2 CPU ranks: every line of the GPU benchmark runs, nothing is timed."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, subprocess_env
+
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_gpt2.py"), "--cpu-smoke"],
+        cwd=ROOT,
+        env=subprocess_env(PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    assert "ours (DeepSpeed)" in out and "plain PyTorch loop" in out and "ours / plain:" in out
+    assert "ours, 2 ranks:" in out and "tokens/s" in out and "MFU" in out
