@@ -1,7 +1,7 @@
 """Our DeepSpeed path against a plain PyTorch loop, eager and compiled: same model, data, batch, schedule.
 
-    .venv/bin/python benchmarks/vs_plain_torch.py            # full: both sizes, ~10 min on 2 quiet cores
-    .venv/bin/python benchmarks/vs_plain_torch.py --quick    # smoke: fewer rounds and steps, ~3 min
+    .venv/bin/python benchmarks/vs_plain_torch.py            # full: both sizes, ~9 min (compile cache warm)
+    .venv/bin/python benchmarks/vs_plain_torch.py --quick    # smoke: 2 rounds, few steps, ~2 min (cache warm)
 
 One process, four loops per model size, each built once and then timed in alternating rounds (so
 other load on the machine hits them all alike); the figures are medians over the rounds:
