@@ -1,12 +1,21 @@
-"""Our DeepSpeed stage-0 path against a plain PyTorch loop: same model, data, batch and schedule.
+"""Our DeepSpeed path against a plain PyTorch loop, eager and compiled: same model, data, batch, schedule.
 
-    .venv/bin/python benchmarks/vs_plain_torch.py [--steps 300] [--repeats 3] [--threads 1]
+    .venv/bin/python benchmarks/vs_plain_torch.py            # full: both sizes, ~9 min (compile cache warm)
+    .venv/bin/python benchmarks/vs_plain_torch.py --quick    # smoke: 2 rounds, few steps, ~2 min (cache warm)
 
-One process. The plain loop is torch.optim.AdamW (defaults), clip_grad_norm_, the LR schedule and
-the same ShardedLoader, with the loss read back at the same log steps. Ours is
-`pretrain.train.train` itself (eval and checkpoint only after the last timed step). The two run in
-turn, `--repeats` times each, and the tokens/s of the steady state (after the first log interval)
-are compared, best of the repeats (the least disturbed by other load on the machine) and median. Each loop's step is split into data / forward+backward / optimizer.
+One process, four loops per model size, each built once and then timed in alternating rounds (so
+other load on the machine hits them all alike); the figures are medians over the rounds:
+- plain eager: the textbook loop, GPT + torch.optim.AdamW (defaults) + clip_grad_norm_ + the LR
+  schedule, on the same ShardedLoader, the loss summed on the device and read once per log interval;
+- plain compiled: the same with `torch.compile(model)`;
+- ours eager / ours compiled (`compile.enabled=true`): the run's own `setup()` (DeepSpeed engine
+  at ZeRO 0, its data loader) and, per step, what `train()` does: the LR, `train_step()`, the
+  ranks' non-finite-loss agreement and the loss sum.
+Sizes: the 4-layer / 4-head / 128-wide model (block 64, micro batch 12), and the `medium` preset's
+model (6/6/384, block 256, dropout 0.2) at micro batch `--medium-micro-batch` (8: a step of seconds,
+not tens of seconds, on a CPU). Achieved GFLOP/s (6N + attention per token) is printed next to a
+fp32 GEMM peak measured in the same run (2048^2, best window, between rounds). Tokens per CPU
+second of this process (`time.process_time`) are printed too: other processes' load barely moves them.
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,63 +38,73 @@ sys.path.insert(0, str(ROOT))
 from pretrain import engine  # noqa: E402
 from pretrain.config import RunConfig  # noqa: E402
 from pretrain.dataset import load_manifest, resolve_vocab  # noqa: E402
-from pretrain.ds_config import render_deepspeed  # noqa: E402
+from pretrain.guards import Faults  # noqa: E402
 from pretrain.loader import ShardedLoader  # noqa: E402
-from pretrain.metrics import PHASES, PhaseTimer, read_csv  # noqa: E402
-from pretrain.model import GPT  # noqa: E402
+from pretrain.metrics import PhaseTimer, gemm_tflops  # noqa: E402
+from pretrain.model import GPT, analytic_flops_per_token  # noqa: E402
 from pretrain.prepare import prepare  # noqa: E402
 from pretrain.presets import build  # noqa: E402
 from pretrain.schedule import lr_at  # noqa: E402
-from pretrain.train import train  # noqa: E402
+from pretrain.train import setup, train_step  # noqa: E402
 
-SHAPE = [
-    "model.n_layer=4",
-    "model.n_head=4",
-    "model.n_embd=128",
-    "model.block_size=64",
-    "batch.micro_batch_size=12",
-    "batch.gradient_accumulation_steps=1",
-    "zero.stage=0",
-]
+SIZES = {
+    "4/4/128": ("tiny", ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.block_size=64",
+                         "batch.micro_batch_size=12"]),
+    "medium": ("medium", []),
+}  # fmt: skip
+LOOPS = ("plain eager", "plain compiled", "ours eager", "ours compiled")
 
 
-def config(steps: int, log_interval: int, run_dir: Path, data: Path, extra: list[str]) -> RunConfig:
+def config(preset: str, shape: list[str], run_dir: Path, data: Path, extra: list[str]) -> RunConfig:
     corpus = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
     return build(
-        "tiny",
+        preset,
         overrides=[
-            *SHAPE,
+            *shape,
+            "batch.gradient_accumulation_steps=1",
+            "zero.stage=0",
             f"data.corpus={corpus if corpus.is_file() else 'shakespeare'}",
             f"data.dataset_dir={data}",
-            f"schedule.max_steps={steps}",
+            "data.tokenizer=char",
+            "schedule.max_steps=100000",
             "schedule.warmup_steps=10",
-            f"logging.log_interval={log_interval}",
-            f"logging.eval_interval={steps}",
-            "logging.eval_batches=1",
-            "logging.sample_tokens=0",
             "logging.progress_bar=off",
             f"logging.run_dir={run_dir}",
-            f"checkpoint.interval={steps}",
             *extra,
         ],
         world_size=1,
     )
 
 
-def plain_torch(cfg: RunConfig, log_interval: int) -> tuple[float, dict[str, float]]:
-    """The reference: a textbook PyTorch loop. Returns steady-state tokens/s and the phase split."""
+class Loop:
+    """One training loop, built once; `steps(n)` runs n steps, reading the loss once at the end."""
+
+    def __init__(self, step: Callable[[int], torch.Tensor]) -> None:
+        self.step, self.done = step, 0
+
+    def steps(self, n: int) -> float:
+        loss_sum = torch.zeros(())
+        for _ in range(n):
+            loss_sum += self.step(self.done)
+            self.done += 1
+        return float(loss_sum.item()) / n  # the one host sync per log interval, as in train()
+
+
+def plain_loop(cfg: RunConfig, compiled: bool) -> Loop:
+    """The reference: a textbook PyTorch loop (torch.compile'd if `compiled`)."""
     data_dir = cfg.data.resolved_dir()
-    manifest = load_manifest(data_dir)
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model)
-    groups = model.param_groups(cfg.optimizer.weight_decay)
+    model: torch.nn.Module = GPT(cfg.model)
+    groups = model.param_groups(cfg.optimizer.weight_decay)  # type: ignore[operator]
     for g in groups:
         g.pop("name")
     o = cfg.optimizer
     opt = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
+    if compiled:
+        model = torch.compile(model)  # type: ignore[assignment]
     b = cfg.batch
     loader = ShardedLoader(
-        [data_dir / s["path"] for s in manifest["train"]],
+        [data_dir / s["path"] for s in load_manifest(data_dir)["train"]],
         block_size=cfg.model.block_size,
         micro_batch_size=b.micro_batch_size,
         grad_accum=1,
@@ -92,156 +113,153 @@ def plain_torch(cfg: RunConfig, log_interval: int) -> tuple[float, dict[str, flo
         seed=cfg.data.seed,
         shuffle=True,
     )
-    timer = PhaseTimer(torch.device("cpu"))
-    loss_sum = torch.zeros(())
-    t0 = 0.0
     model.train()
-    for step in range(cfg.schedule.max_steps):
-        if step == log_interval:  # steady state from here, as for ours
-            t0 = time.perf_counter()
-            timer.reset()
+
+    def step(i: int) -> torch.Tensor:
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, o.lr, cfg.schedule)
-        timer.phase("data")
+            group["lr"] = lr_at(i, o.lr, cfg.schedule)
         x, y = loader.next_batch()
-        timer.phase("fwd_bwd")
         _, loss = model(x, y)
         loss.backward()
-        loss_sum += loss.detach()
-        timer.phase("optimizer")
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        timer.stop()
-        if (step + 1) % log_interval == 0:
-            loss_sum.item()  # the same one host sync per log interval as ours
-            loss_sum.zero_()
-    dt = time.perf_counter() - t0
-    steps = cfg.schedule.max_steps - log_interval
-    tokens = steps * b.micro_batch_size * cfg.model.block_size
-    return tokens / dt, {p: v / steps for p, v in timer.totals().items()}
+        return loss.detach()
+
+    return Loop(step)
 
 
-def ours(cfg: RunConfig, dist: engine.Dist) -> tuple[float, dict[str, float]]:
-    """`pretrain.train.train`, read back from its metrics.csv (rows after the first interval)."""
-    train(cfg, dist)
-    rows = [r for r in read_csv(cfg.run_dir() / "metrics.csv") if r["tokens_per_s"] is not None][1:]
-    steps = cfg.logging.log_interval
-    seconds = sum(r["step_time_s"] * steps for r in rows)  # type: ignore[operator]
-    tokens = len(rows) * steps * cfg.batch.micro_batch_size * cfg.model.block_size
-    split = {p: statistics.fmean(r[f"{p}_s"] for r in rows) for p in PHASES}  # type: ignore[misc]
-    return tokens / seconds, split
+def our_loop(cfg: RunConfig, dist: engine.Dist) -> Loop:
+    """Our path: `setup()` builds the engine and loaders as a run does; each step is train()'s."""
+    run = setup(cfg, dist, None)
+    timer = PhaseTimer(run.engine.device)
+    faults = Faults(cfg.run_dir(), cfg.batch.train_batch_size or 1, env={})
+
+    def step(i: int) -> torch.Tensor:
+        lr = lr_at(i, cfg.optimizer.lr, cfg.schedule)
+        for group in run.engine.optimizer.param_groups:
+            group["lr"] = lr
+        batch_start = run.train_data.consumed_samples
+        loss, _, verdict = train_step(run, timer, faults, batch_start, want_grad_norm=False)
+        bad, _ = verdict.wait()
+        if bad:
+            raise RuntimeError(f"non-finite loss at step {i}")
+        return loss
+
+    return Loop(step)
 
 
-def breakdown(base: RunConfig, rounds: int = 8, steps: int = 10) -> None:
-    """Where DeepSpeed's per-step overhead goes: one engine step (forward, backward, step) on a
-    fixed batch, DeepSpeed as it comes and with each of our cuts, against the plain loop's step,
-    interleaved in rounds so that other load on the machine hits them all alike."""
-    torch.manual_seed(0)
-    x = torch.randint(0, base.model.vocab_size or 2, (base.batch.micro_batch_size, base.model.block_size))
-    y = torch.randint(0, base.model.vocab_size or 2, x.shape)
+def bench_size(
+    name: str, preset: str, shape: list[str], args: argparse.Namespace, work: Path, dist: engine.Dist
+) -> dict[str, float]:
+    data = work / "data"
+    base = config(preset, shape, work / "run", data, [])
+    vocab = load_manifest(prepare(base.data))["tokenizer"]["vocab_size"]
 
-    def ds_engine(fused: bool, allreduce: bool) -> object:
-        cfg = base.model_copy(update={"optimizer": base.optimizer.model_copy(update={"torch_fused": fused})})
-        ds = render_deepspeed(cfg)
-        eng = engine.initialize(cfg, engine.build_model(cfg, ds), ds)
-        eng.enable_backward_allreduce = allreduce
-        return eng
+    def cfg(extra: list[str]) -> RunConfig:
+        return resolve_vocab(config(preset, shape, work / f"run-{uuid.uuid4().hex[:6]}", data, extra), vocab)
 
-    def ds_step(eng: object) -> None:
-        _, loss = eng(x, y)  # type: ignore[operator]
-        eng.backward(loss)  # type: ignore[attr-defined]
-        eng.step()  # type: ignore[attr-defined]
-
-    model = GPT(base.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=base.optimizer.lr)
-
-    def plain_step() -> None:
-        _, loss = model(x, y)
-        loss.backward()  # type: ignore[union-attr]
-        torch.nn.utils.clip_grad_norm_(model.parameters(), base.optimizer.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    engines = {
-        "DeepSpeed as it comes (per-tensor AdamW, 1-rank all-reduce)": ds_engine(False, True),
-        "+ torch AdamW fused=True (optimizer.torch_fused)": ds_engine(True, True),
-        "+ no all-reduce over a single rank (what pretrain runs)": ds_engine(True, False),
-    }
-    fns = {k: (lambda e=e: ds_step(e)) for k, e in engines.items()}
-    fns["plain PyTorch step (torch AdamW defaults)"] = plain_step
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for f in fns.values():
-        for _ in range(3):
-            f()
-    for _ in range(rounds):
-        for k, f in fns.items():
-            t = time.perf_counter()
-            for _ in range(steps):
-                f()
-            times[k].append((time.perf_counter() - t) / steps)
-    ref = min(times["plain PyTorch step (torch AdamW defaults)"])
-    print(f"\nper-step breakdown, best of {rounds} rounds of {steps} steps (no data loading, no logging):")
-    for k, v in times.items():
-        print(f"  {k:<62} {1000 * min(v):6.2f} ms/step   plain / this {ref / min(v):.3f}")
+    c = cfg([])
+    m, b = c.model, c.batch
+    tokens_per_step = b.micro_batch_size * m.block_size
+    flops_per_token = analytic_flops_per_token(m)
+    steps = args.steps if name == "4/4/128" else args.medium_steps
+    print(
+        f"\n== {name}: {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {m.block_size}, "
+        f"dropout {m.dropout}, vocab {vocab}, {GPT(m).num_params() / 1e6:.2f}M params; micro batch "
+        f"{b.micro_batch_size}; {args.rounds} rounds of {steps} steps per loop",
+        flush=True,
+    )
+    loops: dict[str, Loop] = {}
+    for loop in LOOPS:
+        t = time.perf_counter()
+        if loop.startswith("plain"):
+            loops[loop] = plain_loop(c, compiled=loop.endswith("compiled"))
+        else:
+            loops[loop] = our_loop(cfg([f"compile.enabled={loop.endswith('compiled')}"]), dist)
+        loops[loop].steps(args.warmup)  # compiles, warms the allocator and the prefetch
+        print(
+            f"  built {loop} and ran {args.warmup} warm-up steps: {time.perf_counter() - t:.1f} s", flush=True
+        )
+    g = torch.Generator().manual_seed(0)
+    a, bm = torch.randn(2048, 2048, generator=g), torch.randn(2048, 2048, generator=g)
+    rates: dict[str, list[float]] = {k: [] for k in loops}
+    cpu_rates: dict[str, list[float]] = {k: [] for k in loops}  # per CPU second of this process
+    gemm = 0.0
+    for r in range(args.rounds):
+        order = list(loops) if r % 2 == 0 else list(reversed(loops))  # neither first nor last always
+        for k in order:
+            t, c = time.perf_counter(), time.process_time()
+            loops[k].steps(steps)
+            rates[k].append(steps * tokens_per_step / (time.perf_counter() - t))
+            cpu_rates[k].append(steps * tokens_per_step / (time.process_time() - c))
+        gemm = max(gemm, gemm_tflops(a, bm, 0.5))
+        line = ", ".join(f"{k} {rates[k][-1]:,.0f}" for k in loops)
+        print(f"  round {r + 1}: tokens/s {line}; GEMM {1000 * gemm:.1f} GFLOP/s", flush=True)
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    cpu_med = {k: statistics.median(v) for k, v in cpu_rates.items()}
+    print(
+        f"\n  {'loop':<16} {'tokens/s':>10} {'GFLOP/s':>8} {'of GEMM':>8}   {'tokens/CPU-s':>12}"
+        f"   (medians of {args.rounds} rounds)"
+    )
+    for k, v in med.items():
+        gflops = v * flops_per_token / 1e9
+        print(
+            f"  {k:<16} {v:>10,.0f} {gflops:>8.1f} {100 * gflops / (1000 * gemm):>7.1f}%   {cpu_med[k]:>12,.0f}"
+        )
+    print(
+        f"  fp32 GEMM peak (2048^2, {torch.get_num_threads()} threads, best window): {1000 * gemm:.1f} GFLOP/s"
+    )
+    pe, pc, oe, oc = (med[k] for k in LOOPS)
+    print(
+        f"  ratios: ours compiled / plain eager {oc / pe:.3f}; ours compiled / plain compiled {oc / pc:.3f}; "
+        f"ours eager / plain eager {oe / pe:.3f}; plain compiled / plain eager {pc / pe:.3f}",
+        flush=True,
+    )
+    pe, pc, oe, oc = (cpu_med[k] for k in LOOPS)
+    print(
+        f"  per CPU second (steadier under other load): ours compiled / plain eager {oc / pe:.3f}; "
+        f"ours compiled / plain compiled {oc / pc:.3f}; ours eager / plain eager {oe / pe:.3f}",
+        flush=True,
+    )
+    return {**med, "gemm_gflops": 1000 * gemm}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=300, help="Optimizer steps per run.")
-    ap.add_argument("--log-interval", type=int, default=50, help="Log interval; the first is warmup.")
-    ap.add_argument("--repeats", type=int, default=5, help="Runs of each, alternating.")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared box).")
-    ap.add_argument("--breakdown", action="store_true", help="Also attribute the per-step overhead.")
+    ap.add_argument("--rounds", type=int, default=5, help="Alternating rounds per size.")
+    ap.add_argument("--steps", type=int, default=40, help="Steps per loop per round, 4/4/128.")
+    ap.add_argument("--medium-steps", type=int, default=3, help="Steps per loop per round, medium.")
+    ap.add_argument("--medium-micro-batch", type=int, default=8, help="Micro batch of the medium model.")
     ap.add_argument(
-        "--set", dest="extra", action="append", default=[], help="Extra override for our path only."
+        "--warmup", type=int, default=3, help="Untimed steps per loop (compilation happens here)."
     )
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared box).")
+    ap.add_argument("--sizes", default="4/4/128,medium", help="Comma-separated: 4/4/128, medium.")
+    ap.add_argument("--quick", action="store_true", help="2 rounds, 15 and 1 steps: a smoke run.")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.steps, args.medium_steps, args.warmup = 2, 15, 1, 2
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     dist = engine.launch_env()
     engine.init_distributed(dist)
     torch.set_num_threads(args.threads)
-
-    work = Path(tempfile.mkdtemp(prefix="vs_plain_torch_"))
-    base = config(args.steps, args.log_interval, work / "run", work / "data", [])
-    manifest = load_manifest(prepare(base.data))
-    vocab = manifest["tokenizer"]["vocab_size"]
-    base = resolve_vocab(base, vocab)
-    n_params = GPT(base.model).num_params()
+    load = os.getloadavg()
     print(
-        f"model: {base.model.n_layer} layers, {base.model.n_head} heads, n_embd {base.model.n_embd}, "
-        f"block {base.model.block_size}, vocab {vocab} ({n_params / 1e6:.2f}M params); micro batch "
-        f"{base.batch.micro_batch_size}; {args.steps} steps, timed after step {args.log_interval}; "
-        f"{args.threads} thread(s); torch {torch.__version__}",
+        f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} CPUs, load average "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start",
         flush=True,
     )
-    results: dict[str, list[tuple[float, dict[str, float]]]] = {"plain": [], "ours": []}
-    for i in range(args.repeats):
-        results["plain"].append(plain_torch(base, args.log_interval))
-        cfg = config(args.steps, args.log_interval, work / f"ours{i}", work / "data", args.extra)
-        results["ours"].append(ours(resolve_vocab(cfg, vocab), dist))
-        print(
-            f"repeat {i + 1}: plain {results['plain'][-1][0]:,.0f} tok/s, ours {results['ours'][-1][0]:,.0f} tok/s",
-            flush=True,
-        )
-    print(
-        f"\n{'loop':<34} {'best tok/s':>10} {'median':>8}   median ms/step: {'data':>6} {'fwd+bwd':>8} {'optim':>6}"
-    )
-    best, med = {}, {}
-    for name, label in (("plain", "plain PyTorch (torch AdamW)"), ("ours", "pretrain + DeepSpeed stage 0")):
-        runs = sorted(results[name], key=lambda r: r[0])
-        best[name] = runs[-1][0]
-        med[name], split = runs[len(runs) // 2]
-        cols = " ".join(f"{1000 * split[p]:>{w}.2f}" for p, w in zip(PHASES, (6, 8, 6), strict=True))
-        print(f"{label:<34} {best[name]:>10,.0f} {med[name]:>8,.0f}                   {cols}")
-    print(
-        f"ratio ours / plain: {best['ours'] / best['plain']:.3f} best of {args.repeats} "
-        f"(the least disturbed run of each), {med['ours'] / med['plain']:.3f} median"
-    )
-    if args.breakdown:
-        breakdown(base)
+    work = Path(tempfile.mkdtemp(prefix="vs_plain_torch_"))
+    for name in args.sizes.split(","):
+        preset, shape = SIZES[name]
+        if name == "medium":
+            shape = [*shape, f"batch.micro_batch_size={args.medium_micro_batch}"]
+        bench_size(name, preset, shape, args, work / name.replace("/", "-"), dist)
+    load = os.getloadavg()
+    print(f"\nload average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end")
 
 
 if __name__ == "__main__":

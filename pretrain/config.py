@@ -280,7 +280,9 @@ class DataConfig(Section):
         2, ge=0, le=64, description="Micro batches the loader prepares ahead in a background thread; 0: none."
     )
     verify_shards: bool = Field(
-        True, description="Check every shard's sha256 when the loader opens it (reads all the data once)."
+        True,
+        description="Check every shard's sha256 when the loader opens it (reads all the data once, on the first "
+        "rank of each host; the others check headers and sizes).",
     )
 
     def resolved_dir(self) -> Path:
@@ -411,6 +413,38 @@ class ZeroConfig(Section):
         if self.offload_optimizer and self.stage == 0:
             problems.append("offload_optimizer needs stage 1, 2 or 3 (stage is 0)")
         return problems
+
+
+class CompileConfig(Section):
+    """torch.compile of the model, applied through DeepSpeed's engine (`engine.compile`), which
+    compiles the module in place: its parameters and state_dict keys stay those of the eager model,
+    so checkpoints and exports are the same either way."""
+
+    enabled: bool = Field(
+        False,
+        description="Compile the model's forward (and, through AOTAutograd, its backward) with torch.compile. "
+        "The first steps pay the compilation (tens of seconds on a CPU, cached on disk by TorchInductor).",
+    )
+    backend: str = Field(
+        "inductor", min_length=1, description="torch.compile backend: inductor, aot_eager, eager, ..."
+    )
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        "default",
+        description="torch.compile mode: 'reduce-overhead' adds CUDA graphs, 'max-autotune' searches kernels "
+        "(long compiles).",
+    )
+    dynamic: bool | None = Field(
+        None,
+        description="Dynamic shapes: False compiles for the exact shapes met, True for symbolic ones, None "
+        "(torch's default) starts static and goes dynamic on a shape change. Training shapes are fixed.",
+    )
+
+    def broken_rules(self, context: dict[str, Any]) -> list[str]:
+        if self.mode != "default" and self.backend != "inductor":
+            return [
+                f"mode {self.mode!r} is a TorchInductor mode: it needs backend 'inductor', not {self.backend!r}"
+            ]
+        return []
 
 
 class CheckpointConfig(Section):
@@ -569,6 +603,7 @@ class RunConfig(Section):
     batch: BatchConfig = Field(default_factory=BatchConfig, description="Micro batch x accumulation x DP.")
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig, description="fp32, bf16 or fp16.")
     zero: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage and offload.")
+    compile: CompileConfig = Field(default_factory=CompileConfig, description="torch.compile of the model.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logs, eval and sampling.")
     launch: LaunchConfig = Field(
@@ -779,6 +814,7 @@ MODELED_DEEPSPEED_KEYS = {
     "tensorboard",
     "csv_monitor",
     "wandb",
+    "compile",  # DeepSpeed's DeepCompile switches: the tree's `compile` section (ds_config.py reads them)
 }
 
 # Every other top-level key DeepSpeed's config parser reads (deepspeed/runtime/config.py and the
@@ -818,7 +854,6 @@ DEEPSPEED_PASSTHROUGH_KEYS = {
     "nebula",
     "dataloader_drop_last",
     "use_data_before_expert_parallelism",
-    "compile",
     "timers",
     "weight_quantization",
     "hybrid_engine",

@@ -192,6 +192,8 @@ def tree_from_deepspeed(
             _read_zero(r, value)
         elif key in MONITORS:
             _read_monitor(r, key, value)
+        elif key == "compile":
+            _read_compile(r, value)
         elif key in DEEPSPEED_PASSTHROUGH_KEYS:
             r.extra[key] = without_auto(value)
         else:
@@ -335,6 +337,19 @@ def _read_zero(r: Reading, value: Any) -> None:
             v != AUTO or k in ZERO_AUTO
         ):  # "auto": sized from the model when rendered, or DeepSpeed's default
             r.extra.setdefault("zero_optimization", {})[k] = v
+
+
+def _read_compile(r: Reading, value: Any) -> None:
+    """DeepSpeed's `compile` section configures DeepCompile, its compiler passes, which pretrain does
+    not use: compiling is the tree's `compile` section (torch.compile through `engine.compile`).
+    DeepCompile left off is accepted; anything else is one problem per key."""
+    for k, v in r.mapping("compile", value).items():
+        if k == "deepcompile" and v in (False, AUTO):
+            continue
+        r.problems.append(
+            f"compile.{k}: DeepSpeed's DeepCompile is not modeled: pretrain compiles the model with "
+            "torch.compile; drop the key and pass --set compile.enabled=true"
+        )
 
 
 def _read_offload(r: Reading, key: str, value: Any) -> None:

@@ -215,4 +215,29 @@ def initialize(cfg: RunConfig, model: GPT, ds_config: dict[str, Any]) -> Any:
         # One data-parallel rank: DeepSpeed would still flatten every gradient into a bucket,
         # all-reduce it over the single rank and copy it back, each micro step. Nothing to reduce.
         engine.enable_backward_allreduce = False
+    if clips_itself(cfg):
+        engine._config.gradient_clipping = 0.0  # train_step clips, see clips_itself
+    c = cfg.compile
+    if c.enabled:
+        # In place (nn.Module.compile): the engine still holds the GPT itself, so parameter names,
+        # checkpoints and exports carry no `_orig_mod.` prefix. Compilation happens at the first step.
+        kwargs: dict[str, Any] = {"dynamic": c.dynamic}
+        if c.mode != "default":
+            kwargs["mode"] = c.mode
+        if engine.device.type == "cpu" and c.backend == "inductor":
+            # Inductor's own dropout RNG is slow in C++ on the CPU (15% of a `medium` step): draw
+            # the masks with torch's kernels instead, as eager does.
+            import torch._inductor.config as inductor_config
+
+            inductor_config.fallback_random = True
+        engine.compile(backend=c.backend, compile_kwargs=kwargs)
     return engine
+
+
+def clips_itself(cfg: RunConfig) -> bool:
+    """Whether the loop clips the gradients instead of DeepSpeed: at stage 0 in fp32, where DeepSpeed
+    would take a norm per parameter in Python, all_reduce the global norm every rank already holds
+    (a host round trip each step) and scale each gradient. `torch.nn.utils.clip_grad_norm_` does the
+    same arithmetic in one foreach pass and hands back the norm for the logs. The rendered JSON keeps
+    `gradient_clipping`; only this engine's copy is turned off."""
+    return cfg.zero.stage == 0 and cfg.precision.name == "fp32" and cfg.optimizer.grad_clip > 0

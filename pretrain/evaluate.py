@@ -43,6 +43,8 @@ def sample(
     ids = tokenizer.encode(prompt) or [tokenizer.eot_token or 0]
     idx = torch.tensor([ids], dtype=torch.long, device=engine.device)
     gen = torch.Generator(device=engine.device).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen)
+    # Eager even when the model is compiled (compile.enabled): every new length would be a new graph.
+    with torch.compiler.set_stance("force_eager"):
+        out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen)
     engine.train()
     return str(tokenizer.decode(out[0].tolist()))

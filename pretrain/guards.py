@@ -78,13 +78,35 @@ class StopOnSignal:
         self._previous.clear()
 
 
-def agree(step_loss: torch.Tensor, signum: int | None, group: Any) -> tuple[bool, int]:
-    """(any rank's loss was non-finite, the signal any rank was asked to stop by, or 0), the same
-    on every rank."""
+class Agreement:
+    """The ranks' agreement on (a non-finite loss on any rank, the signal any rank was asked to stop
+    by, or 0), the same on every rank once `wait()` returns. `start_agreement` sends it off without
+    waiting, so the collective's round trip hides behind the step's last backward and update."""
+
+    def __init__(self, flags: torch.Tensor, work: Any) -> None:
+        self.flags, self.work = flags, work
+
+    def wait(self) -> tuple[bool, int]:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return bool(self.flags[0]), int(self.flags[1])
+
+
+def start_agreement(step_loss: torch.Tensor, signum: int | None, group: Any) -> Agreement:
+    """Begin agreeing on `step_loss` being finite and on a stop signal (one host read of the loss;
+    one asynchronous all_reduce over the gloo group, none for a single rank)."""
     flags = torch.tensor([0 if bool(torch.isfinite(step_loss)) else 1, signum or 0], dtype=torch.int64)
-    if group is not None:
-        tdist.all_reduce(flags, op=tdist.ReduceOp.MAX, group=group)
-    return bool(flags[0]), int(flags[1])
+    work = None
+    if group is not None and tdist.get_world_size(group) > 1:
+        work = tdist.all_reduce(flags, op=tdist.ReduceOp.MAX, group=group, async_op=True)
+    return Agreement(flags, work)
+
+
+def agree(step_loss: torch.Tensor, signum: int | None, group: Any) -> tuple[bool, int]:
+    """`start_agreement(...).wait()`: (any rank's loss was non-finite, the signal any rank was asked
+    to stop by, or 0), the same on every rank."""
+    return start_agreement(step_loss, signum, group).wait()
 
 
 class Faults:

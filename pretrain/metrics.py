@@ -107,7 +107,8 @@ def cpu_peak_tflops(dtype: torch.dtype = torch.float32, probe_s: float = 0.3) ->
     A square GEMM of a fixed size (1024 in fp32, 512 in 16-bit types, which most CPUs run far
     slower) is timed repeatedly for `probe_s` seconds, at least 3 times; the best rate is the peak,
     the least disturbed by other load. The cache is keyed by CPU model, thread count, dtype and
-    torch version; delete the file to probe again.
+    torch version; delete the file to probe again. On a loaded machine the probe reads low: MFU
+    takes the larger of it and `cpu_fma_peak_tflops` (see `device_peak_tflops`).
     """
     threads = torch.get_num_threads()
     key = f"{_cpu_name()} | {threads} threads | {dtype} | torch {torch.__version__}"
@@ -118,23 +119,59 @@ def cpu_peak_tflops(dtype: torch.dtype = torch.float32, probe_s: float = 0.3) ->
         cache = {}
     if key in cache:
         return float(cache[key])
-    n, rate = (1024 if dtype == torch.float32 else 512), 0.0
+    n = 1024 if dtype == torch.float32 else 512
     # Its own generator: drawing from the global one would shift the dropout masks of the run
     # that probes (the first on a machine) against every later, cached one.
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
-    torch.mm(a, b)  # warm up
-    deadline, reps = time.perf_counter() + probe_s, 0
-    while reps < 3 or time.perf_counter() < deadline:
-        t = time.perf_counter()
-        torch.mm(a, b)
-        rate = max(rate, 2 * n**3 / (time.perf_counter() - t))
-        reps += 1
-    tflops = rate / 1e12
+    tflops = gemm_tflops(a, b, probe_s)
     cache[key] = tflops
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(cache, indent=1) + "\n")  # ranks of other runs may read it meanwhile
     return tflops
+
+
+def gemm_tflops(a: torch.Tensor, b: torch.Tensor, seconds: float, windows: int = 5) -> float:
+    """The best rate of `a @ b` over `windows` windows of `seconds / windows` each (at least 3 GEMMs
+    a window), with a pause between windows: the best window is the least disturbed by other load."""
+    n, k, m = a.shape[0], a.shape[1], b.shape[1]
+    torch.mm(a, b)  # warm up
+    rate = 0.0
+    for w in range(windows):
+        if w:
+            time.sleep(min(0.05, seconds / windows))  # let a burst of other load pass
+        deadline, reps = time.perf_counter() + seconds / windows, 0
+        while reps < 3 or time.perf_counter() < deadline:
+            t = time.perf_counter()
+            torch.mm(a, b)
+            rate = max(rate, 2 * n * k * m / (time.perf_counter() - t))
+            reps += 1
+    return rate / 1e12
+
+
+def cpu_fma_peak_tflops(threads: int, cpuinfo: str | None = None) -> float | None:
+    """The CPU's theoretical fp32 peak: cores x clock x FLOPs a cycle, taking two FMA units of the
+    widest vector width the flags list (AVX-512: 16 lanes, AVX2 + FMA: 8) at the listed clock. An
+    upper bound (some cores have one FMA unit, or split AVX-512), so MFU against it never reads
+    above 100%, however loaded the machine. None if /proc/cpuinfo does not say."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    flags: set[str] = set()
+    mhz = 0.0
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags" and not flags:
+            flags = set(value.split())
+        elif key.strip() == "cpu MHz" and not mhz:
+            mhz = float(value) if value.strip().replace(".", "", 1).isdigit() else 0.0
+    lanes = 16 if "avx512f" in flags else 8 if {"avx2", "fma"} <= flags else 4 if "sse2" in flags else 0
+    if not (lanes and mhz > 0):
+        return None
+    cores = min(threads, os.cpu_count() or threads)
+    return cores * mhz * 1e6 * (2 * 2 * lanes) / 1e12  # 2 units x (multiply + add) x lanes
 
 
 def device_peak_tflops(
@@ -149,8 +186,23 @@ def device_peak_tflops(
         return peak, (f"{name} datasheet" if peak else f"{name}: unknown peak, set logging.peak_tflops")
     if device.type == "cpu":
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-        return cpu_peak_tflops(dtype), f"CPU matmul probe, {torch.get_num_threads()} threads"
+        threads = torch.get_num_threads()
+        probed = cpu_peak_tflops(dtype)
+        fma = cpu_fma_peak_tflops(threads) if dtype == torch.float32 else None
+        if fma is not None and fma >= probed:
+            return fma, f"CPU fp32 FMA peak, {threads} threads (matmul probe: {probed:.3g})"
+        return probed, f"CPU matmul probe, {threads} threads"
     return None, f"{device.type}: unknown peak, set logging.peak_tflops"
+
+
+def seconds_since_process_start() -> float | None:
+    """Wall seconds since this process started (Linux /proc), the interpreter's start-up included."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ _GPT2_DATA = {"tokenizer": "gpt2"}
 
 
 def _gpt2(n_layer: int, n_head: int, n_embd: int, lr: float, stage: int, **model: Any) -> dict[str, Any]:
-    """GPT-2 shapes (Radford et al. 2019) with the nanoGPT/GPT-3 training recipe, bf16, on a100x16."""
+    """GPT-2 shapes (Radford et al. 2019) with the nanoGPT/GPT-3 training recipe, bf16, torch.compile,
+    on a100x16."""
     return {
         "model": {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "block_size": 1024, **model},
         "data": _GPT2_DATA,
@@ -32,6 +33,7 @@ def _gpt2(n_layer: int, n_head: int, n_embd: int, lr: float, stage: int, **model
         "batch": {"micro_batch_size": 12, "gradient_accumulation_steps": 4},
         "precision": {"bf16": True},
         "zero": {"stage": stage},
+        "compile": {"enabled": True},  # on GPUs torch.compile pays for its minute of compiling
         "checkpoint": {"interval": 1000, "keep_last": 3},
         "logging": {"log_interval": 10, "eval_interval": 1000, "eval_batches": 50},
     }

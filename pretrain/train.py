@@ -23,7 +23,7 @@ from pretrain.ds_config import check_with_deepspeed, render_deepspeed
 from pretrain.engine import Dist
 from pretrain.errors import CheckpointError, OutputError
 from pretrain.evaluate import evaluate, sample
-from pretrain.guards import Faults, StopOnSignal, agree, control_group, gather
+from pretrain.guards import Agreement, Faults, StopOnSignal, control_group, gather, start_agreement
 from pretrain.loader import ShardedLoader
 from pretrain.metrics import (
     MetricsLog,
@@ -31,6 +31,7 @@ from pretrain.metrics import (
     available_monitors,
     device_peak_tflops,
     gather_interval,
+    seconds_since_process_start,
     start_wandb,
     summarize,
 )
@@ -67,6 +68,7 @@ class Run:
     ckpt_dir: Path
     ctrl: Any  # the gloo group ranks agree through
     resume_from: checkpoint.Checkpoint | None
+    params: list[torch.nn.Parameter] = field(default_factory=list)  # the module's, listed once for clipping
 
 
 @dataclass
@@ -150,17 +152,27 @@ def _train(cfg: RunConfig, dist: Dist, resume: bool | str | None, dog: Watchdog)
             dist.log(f"step {at.step + 1}: skipped the batch at sample {batch_start} (it led to a rollback)")
             continue
         # 2. micro-steps; DeepSpeed reduces gradients and steps the optimizer on the last one
-        step_loss, grad_norm = train_step(run, interval.timer, faults, batch_start, want_grad_norm=log_step)
-        # 2b. all ranks agree on a non-finite loss anywhere, and on a stop signal: one host sync a
-        # step, the price of never training on a NaN. A bad step is not counted: the next batch
-        # is tried for the same step (DeepSpeed skipped the update); M in a row roll back.
-        bad, stopping = agree(step_loss, stop.signum, run.ctrl)
+        step_loss, grad_norm, verdict = train_step(
+            run, interval.timer, faults, batch_start, want_grad_norm=log_step, signum=stop.signum
+        )
+        # 2b. all ranks agree on a non-finite loss anywhere, and on a stop signal: one host read of
+        # the loss a step, the price of never training on a NaN; the collective went off before the
+        # last backward and is only waited for here. A bad step is not counted: the next batch is
+        # tried for the same step (DeepSpeed skipped the update); M in a row roll back.
+        bad, stopping = verdict.wait()
         if bad:
             dog.slow("the retry after a non-finite loss (or its rollback)", at.step)
             if _on_bad_step(run, at, batch_start):
                 interval.reset()
             continue
         at.bad_streak.clear()
+        if at.step == start_step:
+            since = seconds_since_process_start()
+            dist.log(
+                f"first step done {since:.1f} s after the command started"
+                if since is not None
+                else "first step done"
+            )
         interval.loss_sum += step_loss
         interval.steps += 1
         at.step += 1
@@ -230,15 +242,23 @@ def _train(cfg: RunConfig, dist: Dist, resume: bool | str | None, dog: Watchdog)
 
 
 def train_step(
-    run: Run, timer: PhaseTimer, faults: Faults, batch_start: int, want_grad_norm: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    run: Run,
+    timer: PhaseTimer,
+    faults: Faults,
+    batch_start: int,
+    want_grad_norm: bool,
+    signum: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, Agreement]:
     """One optimizer step: forward and backward on each micro batch, DeepSpeed stepping on the
-    last. Returns the summed loss and, at stage 0 when asked, the gradient norm, both left on the
-    device (no host sync here)."""
+    last. Returns the summed loss and the gradient norm (every step where the loop clips at stage 0;
+    at other stage-0 runs when asked; else None), both left on the device, and the ranks' agreement
+    on a non-finite loss or a stop signal (`signum`), started after the last forward."""
     engine, dev, cfg = run.engine, run.engine.device, run.cfg
     grad_norm = None
     step_loss = torch.zeros((), device=dev)
-    for _ in range(cfg.batch.gradient_accumulation_steps):
+    verdict: Agreement | None = None
+    micro_steps = cfg.batch.gradient_accumulation_steps
+    for i in range(micro_steps):
         timer.phase("data")
         x, y = run.train_data.next_batch()
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
@@ -246,14 +266,22 @@ def train_step(
         _, loss = engine(x, y)
         if faults.nan(batch_start, run.dist.rank):
             loss = loss * float("nan")  # test hook: PRETRAIN_FAULT_NAN_STEPS
-        engine.backward(loss)
         step_loss += loss.detach().float()
-        if want_grad_norm and cfg.zero.stage == 0 and engine.is_gradient_accumulation_boundary():
-            grad_norm = _grad_norm(engine.module)  # DeepSpeed does not report it at stage 0
+        if i == micro_steps - 1:
+            verdict = start_agreement(step_loss, signum, run.ctrl)
+        engine.backward(loss)
+        if engine.is_gradient_accumulation_boundary():
+            if ds_engine.clips_itself(cfg):
+                # Stage 0 in fp32: one foreach pass clips the (already reduced) gradients and gives
+                # the norm, with no all_reduce of a norm every rank already has (DeepSpeed's way).
+                grad_norm = torch.nn.utils.clip_grad_norm_(run.params, cfg.optimizer.grad_clip, foreach=True)
+            elif want_grad_norm and cfg.zero.stage == 0:
+                grad_norm = _grad_norm(engine.module)  # DeepSpeed does not report it at stage 0
         timer.phase("optimizer")
         engine.step()
     timer.stop()
-    return step_loss, grad_norm
+    assert verdict is not None
+    return step_loss, grad_norm, verdict
 
 
 def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
@@ -323,7 +351,7 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
             world_size=dist.world_size,
             seed=cfg.data.seed,
             shuffle=shuffle,
-            verify=cfg.data.verify_shards,
+            verify=cfg.data.verify_shards and dist.local_rank == 0,  # one full read per host, not per rank
             weights=[d.weight for d in datasets] if shuffle else None,
             prefetch=cfg.data.prefetch if shuffle else 0,
             vocab_size=cfg.model.vocab_size,
@@ -340,6 +368,7 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
         ckpt_dir,
         ctrl,
         resume_from,
+        list(engine.module.parameters()),  # walking the module for them costs ~0.4 ms a step
     )
     dist.log(_banner(run))
     return run

@@ -314,7 +314,7 @@ def test_loads_are_weights_only(two_ranks, converted, tmp_path):
         checkpoint.load_file(p)  # every file DeepSpeed wrote, universal ones included
     evil = tmp_path / "evil.pt"
     torch.save({"x": _Evil()}, evil)
-    with pytest.raises(checkpoint.CheckpointError, match="refused to load .*Weights only load failed") as e:
+    with pytest.raises(checkpoint.CheckpointError, match=r"refused to load .*Weights only load failed") as e:
         checkpoint.load_file(evil)
     assert isinstance(e.value.__cause__, pickle.UnpicklingError)
     with checkpoint.safe_loading(), pytest.raises(pickle.UnpicklingError):

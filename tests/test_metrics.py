@@ -18,7 +18,9 @@ from pretrain.metrics import (
     MetricsLog,
     PhaseTimer,
     RankInterval,
+    cpu_fma_peak_tflops,
     cpu_peak_tflops,
+    device_peak_tflops,
     gather_interval,
     gpu_peak_tflops,
     progress_enabled,
@@ -304,3 +306,22 @@ def test_wandb_run_has_the_config_and_name_and_a_resume_continues_it(tmp_path):
         # DeepSpeed's monitor logs into it, by samples (4 a step): the resume goes on from step 4
         assert steps and (min(steps) > 16 if i else max(steps) <= 16)
     assert run_events(run_dir) == [(4, "resume at step 4")]
+
+
+def test_cpu_fma_peak_from_cpuinfo():
+    info = "processor\t: 0\ncpu MHz\t\t: 2500.000\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    assert cpu_fma_peak_tflops(1, info) == pytest.approx(2.5e9 * 32 / 1e12)  # 2 FMA units x 8 lanes x 2
+    assert cpu_fma_peak_tflops(1, info.replace("fma", "fma avx512f")) == pytest.approx(2.5e9 * 64 / 1e12)
+    assert cpu_fma_peak_tflops(1, "flags: avx2 fma\n") is None  # no clock: unknown
+
+
+def test_cpu_mfu_peak_is_never_below_the_probe(tmp_path, monkeypatch):
+    """MFU on the CPU divides by the larger of the probed GEMM rate and the FMA peak: a probe taken
+    on a loaded machine (too low) can no longer make a run log more than 100%."""
+    monkeypatch.setenv("PRETRAIN_CACHE_DIR", str(tmp_path))
+    peak, source = device_peak_tflops(torch.device("cpu"), "fp32")
+    assert peak is not None and peak >= cpu_peak_tflops(probe_s=0.05)
+    fma = cpu_fma_peak_tflops(torch.get_num_threads())
+    if fma is not None:
+        assert peak >= fma
+        assert "FMA peak" in source or "probe" in source
