@@ -13,9 +13,12 @@ use_python() {
 }
 
 # master, port: rank 0's address (MASTER_ADDR, or the hostfile's first host) and the rendezvous
-# port (MASTER_PORT, default 29500). Reading the hostfile validates every line of it.
+# port (MASTER_PORT, default 29500). Reading the hostfile validates every line of it, always: a
+# MASTER_ADDR in the environment must not skip that check.
 use_master() {
-    master=${MASTER_ADDR:-$("$python" -m pretrain hostfile "$1" --first)}
+    local first
+    first=$("$python" -m pretrain hostfile "$1" --first) || exit 2
+    master=${MASTER_ADDR:-$first}
     port=${MASTER_PORT:-29500}
     [[ $master =~ ^[A-Za-z0-9._-]+$ ]] || die "MASTER_ADDR='$master' is not a host name or address"
     [[ $port =~ ^[0-9]+$ ]] || die "MASTER_PORT='$port' is not a port number"

@@ -231,6 +231,7 @@ def _run(argv: list[str]) -> tuple[int, str, BaseException | None]:
         raise _Hang(f"no answer in {HANG_S} s")
 
     old = signal.signal(signal.SIGALRM, alarm)
+    env = dict(os.environ)  # `train` sets MASTER_ADDR/PORT as a launcher would: not for the next case
     signal.alarm(HANG_S)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -244,6 +245,8 @@ def _run(argv: list[str]) -> tuple[int, str, BaseException | None]:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+        os.environ.clear()
+        os.environ.update(env)
 
 
 @pytest.mark.distributed  # `train` cases import DeepSpeed; a few write datasets

@@ -485,3 +485,19 @@ def test_preflight_of_a_config_needing_no_op_reports_none(tmp_path):
     report = preflight(cfg, opts)
     assert report.rows["localhost"]["ops"] == "-"
     assert "ops" not in format_report(report).splitlines()[0].split()  # no column for nothing
+
+
+def test_a_master_addr_in_the_environment_does_not_skip_the_hostfile_check(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-01 slots=1\nnode;touch${IFS}pwned slots=1\n")
+    env = subprocess_env(PYTHON=sys.executable, MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    out = subprocess.run(
+        [str(ROOT / "launch" / "pdsh.sh"), str(hostfile)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0 and "not a host name" in out.stdout + out.stderr, out.stdout + out.stderr
+    assert "deepspeed" not in out.stdout.lower()
