@@ -354,7 +354,8 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
             verify=cfg.data.verify_shards and dist.local_rank == 0,  # one full read per host, not per rank
             weights=[d.weight for d in datasets] if shuffle else None,
             prefetch=cfg.data.prefetch if shuffle else 0,
-            vocab_size=cfg.model.vocab_size,
+            # verified shards hold the tokenizer's ids; unverified ones are checked batch by batch
+            vocab_size=None if cfg.data.verify_shards else cfg.model.vocab_size,
         )
 
     run = Run(
