@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/step_overhead.py [--rounds 20] [--threads 1]
 
-One process, the 4-layer / 4-head / 128-wide model (block 64, micro batch 12), ZeRO 0, fp32. Two
+One process, the 4-layer / 4-head / 128-wide model (block 64, micro batch 12; `--shape 1/1/32`: a
+1-layer, 32-wide one, whose step is short enough for the overhead to stand out), ZeRO 0, fp32. Two
 step functions on the same engine, model, optimizer and loader, timed in alternating rounds of 10
 steps, medians over the rounds:
 - bare: the engine's module forward, `loss.backward()`, the torch AdamW step, `zero_grad`;
@@ -29,19 +30,28 @@ sys.path.insert(0, str(ROOT))
 
 from pretrain import engine as ds_engine  # noqa: E402
 from pretrain import guards  # noqa: E402
-from pretrain.metrics import PhaseTimer  # noqa: E402
+from pretrain.metrics import PhaseTimer, quiet_monitor  # noqa: E402
 from pretrain.prepare import prepare  # noqa: E402
 from pretrain.presets import build  # noqa: E402
 from pretrain.schedule import lr_at  # noqa: E402
 from pretrain.train import setup, train_step  # noqa: E402
 
-SHAPE = ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.block_size=64",
-         "batch.micro_batch_size=12", "zero.stage=0", "logging.progress_bar=off", "data.prefetch=0"]  # fmt: skip
+COMMON = ["zero.stage=0", "logging.progress_bar=off", "data.prefetch=0"]
+SHAPES = {
+    # the model of issue 11's figures
+    "4/4/128": ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.block_size=64",
+                "batch.micro_batch_size=12"],
+    # a step of a few ms, where the overhead (per step, mostly not per FLOP) stands out of the noise
+    "1/1/32": ["model.n_layer=1", "model.n_head=1", "model.n_embd=32", "model.block_size=32",
+               "batch.micro_batch_size=4"],
+}  # fmt: skip
+SHAPE = [*SHAPES["4/4/128"], *COMMON]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=20, help="Alternating rounds of 10 steps each.")
+    ap.add_argument("--shape", choices=list(SHAPES), default="4/4/128", help="The model and batch.")
     ap.add_argument("--threads", type=int, default=1, help="torch threads.")
     args = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -53,12 +63,13 @@ def main() -> None:
     corpus = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
     cfg = build(
         "tiny",
-        overrides=[*SHAPE, f"data.corpus={corpus if corpus.is_file() else 'shakespeare'}",
+        overrides=[*SHAPES[args.shape], *COMMON, f"data.corpus={corpus if corpus.is_file() else 'shakespeare'}",
                    f"data.dataset_dir={work / 'data'}", f"logging.run_dir={work / 'run'}"],
         world_size=1,
     )  # fmt: skip
     prepare(cfg.data)
     run = setup(cfg, dist, None)
+    quiet_monitor(run.engine)  # as train() does: its log, not the engine, writes to the monitor
     eng, opt = run.engine, run.engine.optimizer
     timer = PhaseTimer(eng.device)
     faults = guards.Faults(work, 12, env={})
@@ -91,8 +102,9 @@ def main() -> None:
             f()
     cpu: dict[str, list[float]] = {k: [] for k in fns}
     wall: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(args.rounds):
-        for k, f in fns.items():
+    for r in range(args.rounds):
+        for k in list(fns) if r % 2 == 0 else list(reversed(fns)):  # neither always first
+            f = fns[k]
             t, w = time.process_time(), time.perf_counter()
             for _ in range(10):
                 f()

@@ -53,6 +53,7 @@ SIZES = {
     "medium": ("medium", []),
 }  # fmt: skip
 LOOPS = ("plain eager", "plain compiled", "ours eager", "ours compiled")
+FP32_BASELINE = "plain eager fp32"  # with --precision bf16: the fp32 textbook loop, for reference
 
 
 def config(preset: str, shape: list[str], run_dir: Path, data: Path, extra: list[str]) -> RunConfig:
@@ -90,8 +91,9 @@ class Loop:
         return float(loss_sum.item()) / n  # the one host sync per log interval, as in train()
 
 
-def plain_loop(cfg: RunConfig, compiled: bool) -> Loop:
-    """The reference: a textbook PyTorch loop (torch.compile'd if `compiled`)."""
+def plain_loop(cfg: RunConfig, compiled: bool, bf16: bool = False) -> Loop:
+    """The reference: a textbook PyTorch loop (torch.compile'd if `compiled`; the forward under
+    bf16 autocast if `bf16`, fp32 weights and optimizer, as nanoGPT does it)."""
     data_dir = cfg.data.resolved_dir()
     torch.manual_seed(cfg.seed)
     model: torch.nn.Module = GPT(cfg.model)
@@ -119,7 +121,8 @@ def plain_loop(cfg: RunConfig, compiled: bool) -> Loop:
         for group in opt.param_groups:
             group["lr"] = lr_at(i, o.lr, cfg.schedule)
         x, y = loader.next_batch()
-        _, loss = model(x, y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            _, loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         opt.step()
@@ -170,19 +173,24 @@ def bench_size(
         f"{b.micro_batch_size}; {args.rounds} rounds of {steps} steps per loop",
         flush=True,
     )
+    bf16 = args.precision == "bf16"
     loops: dict[str, Loop] = {}
-    for loop in LOOPS:
+    for loop in (*LOOPS, *([FP32_BASELINE] if bf16 else [])):
         t = time.perf_counter()
-        if loop.startswith("plain"):
-            loops[loop] = plain_loop(c, compiled=loop.endswith("compiled"))
+        if loop == FP32_BASELINE:
+            loops[loop] = plain_loop(c, compiled=False)
+        elif loop.startswith("plain"):
+            loops[loop] = plain_loop(c, compiled=loop.endswith("compiled"), bf16=bf16)
         else:
-            loops[loop] = our_loop(cfg([f"compile.enabled={loop.endswith('compiled')}"]), dist)
+            extra = [f"compile.enabled={loop.endswith('compiled')}", f"precision.bf16={bf16}"]
+            loops[loop] = our_loop(cfg(extra), dist)
         loops[loop].steps(args.warmup)  # compiles, warms the allocator and the prefetch
         print(
             f"  built {loop} and ran {args.warmup} warm-up steps: {time.perf_counter() - t:.1f} s", flush=True
         )
     g = torch.Generator().manual_seed(0)
-    a, bm = torch.randn(2048, 2048, generator=g), torch.randn(2048, 2048, generator=g)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    a, bm = torch.randn(2048, 2048, generator=g).to(dtype), torch.randn(2048, 2048, generator=g).to(dtype)
     rates: dict[str, list[float]] = {k: [] for k in loops}
     cpu_rates: dict[str, list[float]] = {k: [] for k in loops}  # per CPU second of this process
     gemm = 0.0
@@ -208,7 +216,7 @@ def bench_size(
             f"  {k:<16} {v:>10,.0f} {gflops:>8.1f} {100 * gflops / (1000 * gemm):>7.1f}%   {cpu_med[k]:>12,.0f}"
         )
     print(
-        f"  fp32 GEMM peak (2048^2, {torch.get_num_threads()} threads, best window): {1000 * gemm:.1f} GFLOP/s"
+        f"  {args.precision} GEMM peak (2048^2, {torch.get_num_threads()} threads, best window): {1000 * gemm:.1f} GFLOP/s"
     )
     pe, pc, oe, oc = (med[k] for k in LOOPS)
     print(
@@ -216,6 +224,12 @@ def bench_size(
         f"ours eager / plain eager {oe / pe:.3f}; plain compiled / plain eager {pc / pe:.3f}",
         flush=True,
     )
+    if bf16:
+        print(
+            f"  against the fp32 plain eager loop: ours compiled (bf16) {oc / med[FP32_BASELINE]:.3f}; "
+            f"ours eager (bf16) {oe / med[FP32_BASELINE]:.3f}; plain eager (bf16) {pe / med[FP32_BASELINE]:.3f}",
+            flush=True,
+        )
     pe, pc, oe, oc = (cpu_med[k] for k in LOOPS)
     print(
         f"  per CPU second (steadier under other load): ours compiled / plain eager {oc / pe:.3f}; "
@@ -236,6 +250,13 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared box).")
     ap.add_argument("--sizes", default="4/4/128,medium", help="Comma-separated: 4/4/128, medium.")
+    ap.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: the plain loops under bf16 autocast, ours with precision.bf16 (DeepSpeed's bf16), "
+        "and a fifth loop, the plain eager one in fp32, for reference.",
+    )
     ap.add_argument("--quick", action="store_true", help="2 rounds, 15 and 1 steps: a smoke run.")
     args = ap.parse_args()
     if args.quick:

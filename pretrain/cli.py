@@ -346,7 +346,30 @@ def _supervise(args: argparse.Namespace) -> int:
 RESTART_COUNTS = ("PRETRAIN_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 
 
+def _launcher_world_size(args: argparse.Namespace) -> int | None:
+    """The world size as the launcher's variables give it, read without importing torch (see
+    `engine.launch_env`); None where only later steps know it (a supervisor, PMIx)."""
+    e = os.environ
+    if args.max_restarts is not None or args.nproc_per_node is not None:
+        return None
+    if "RANK" in e:
+        size = e.get("WORLD_SIZE", "")
+    elif "SLURM_STEP_NUM_TASKS" in e and "SLURM_PROCID" in e:
+        size = e["SLURM_STEP_NUM_TASKS"]
+    elif any(v in e for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")):
+        size = e.get("OMPI_COMM_WORLD_SIZE") or e.get("PMI_SIZE") or ""  # what launch_env holds mpi4py to
+    else:
+        return 1
+    return int(size) if size.isdigit() and int(size) > 0 else None
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    world = _launcher_world_size(args)
+    if args.ds is None and world is not None:
+        # A typo in the config or a bad --set is reported now, in a fraction of a second, not after
+        # torch and DeepSpeed have loaded (seconds). With a --ds JSON the check below runs
+        # DeepSpeed's own validators too, so that one error lists every problem.
+        _config(args, world, deepspeed=False)
     import torch.distributed as tdist  # torch and DeepSpeed: only for the commands that run them
 
     from pretrain import engine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from dataclasses import dataclass
@@ -217,6 +218,11 @@ def initialize(cfg: RunConfig, model: GPT, ds_config: dict[str, Any]) -> Any:
         engine.enable_backward_allreduce = False
     if clips_itself(cfg):
         engine._config.gradient_clipping = 0.0  # train_step clips, see clips_itself
+    if cfg.zero.stage == 0 and cfg.precision.name == "fp32":
+        # After each step DeepSpeed's `zero_grad` here walks `module.named_parameters()` (the whole
+        # module tree, every step: 0.4 ms of a 66 ms step of a 4-layer model on the CPU). The
+        # optimizer holds the same parameters (every one is in a group) in flat lists.
+        engine.zero_grad = functools.partial(engine.optimizer.zero_grad, set_to_none=True)
     c = cfg.compile
     if c.enabled:
         # In place (nn.Module.compile): the engine still holds the GPT itself, so parameter names,

@@ -149,11 +149,17 @@ def gemm_tflops(a: torch.Tensor, b: torch.Tensor, seconds: float, windows: int =
     return rate / 1e12
 
 
-def cpu_fma_peak_tflops(threads: int, cpuinfo: str | None = None) -> float | None:
-    """The CPU's theoretical fp32 peak: cores x clock x FLOPs a cycle, taking two FMA units of the
-    widest vector width the flags list (AVX-512: 16 lanes, AVX2 + FMA: 8) at the listed clock. An
-    upper bound (some cores have one FMA unit, or split AVX-512), so MFU against it never reads
-    above 100%, however loaded the machine. None if /proc/cpuinfo does not say."""
+def cpu_fma_peak_tflops(
+    threads: int, cpuinfo: str | None = None, dtype: torch.dtype = torch.float32
+) -> float | None:
+    """The CPU's theoretical peak in `dtype`: cores x clock x FLOPs a cycle, from the flags.
+
+    fp32: two FMA units of the widest vector width listed (AVX-512: 16 lanes, AVX2 + FMA: 8).
+    bf16: AMX tiles (`amx_bf16`: 1024 multiply-adds a cycle), else AVX-512 BF16 dot products
+    (`avx512_bf16`: two bf16 products per fp32 lane, twice fp32), else the fp32 peak (the CPU
+    computes bf16 in fp32). fp16 the same with `amx_fp16` and `avx512_fp16`. An upper bound (some
+    cores have one FMA unit, or split AVX-512), so MFU against it never reads above 100%, however
+    loaded the machine. None if /proc/cpuinfo does not say."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -170,8 +176,16 @@ def cpu_fma_peak_tflops(threads: int, cpuinfo: str | None = None) -> float | Non
     lanes = 16 if "avx512f" in flags else 8 if {"avx2", "fma"} <= flags else 4 if "sse2" in flags else 0
     if not (lanes and mhz > 0):
         return None
+    per_cycle = 2 * 2 * lanes  # 2 units x (multiply + add) x lanes
+    half = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
+    if dtype in half:
+        amx, avx512 = half[dtype]
+        if amx in flags and "amx_tile" in flags:
+            per_cycle = 2 * 1024  # one AMX unit: 1024 multiply-adds a cycle
+        elif avx512 in flags:
+            per_cycle *= 2
     cores = min(threads, os.cpu_count() or threads)
-    return cores * mhz * 1e6 * (2 * 2 * lanes) / 1e12  # 2 units x (multiply + add) x lanes
+    return cores * mhz * 1e6 * per_cycle / 1e12
 
 
 def device_peak_tflops(
@@ -188,9 +202,10 @@ def device_peak_tflops(
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
         threads = torch.get_num_threads()
         probed = cpu_peak_tflops(dtype)
-        fma = cpu_fma_peak_tflops(threads) if dtype == torch.float32 else None
+        fma = cpu_fma_peak_tflops(threads, dtype=dtype)
         if fma is not None and fma >= probed:
-            return fma, f"CPU fp32 FMA peak, {threads} threads (matmul probe: {probed:.3g})"
+            kind = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "fp32")
+            return fma, f"CPU {kind} FMA peak, {threads} threads (matmul probe: {probed:.3g})"
         return probed, f"CPU matmul probe, {threads} threads"
     return None, f"{device.type}: unknown peak, set logging.peak_tflops"
 
@@ -375,10 +390,13 @@ def summarize(
 # Where the numbers go
 
 # metrics.csv column -> monitor tag. DeepSpeed's own monitor events are "Train/Samples/<name>"
-# against samples seen; these follow it, so TensorBoard and W&B share one x axis. DeepSpeed itself
-# writes Train/Samples/lr (and loss_scale under fp16) at every step.
+# against samples seen; these follow it, so TensorBoard and W&B share one x axis. DeepSpeed's
+# per-step writes of lr and loss_scale are turned off (`quiet_monitor`): they come from here, at
+# the log steps, with the rest.
 _TAGS = {
     "loss": "Train/Samples/train_loss",
+    "lr": "Train/Samples/lr",
+    "loss_scale": "Train/Samples/loss_scale",
     "grad_norm": "Train/Samples/grad_norm",
     "tokens_per_s": "Throughput/tokens_per_s",
     "tokens_per_s_per_rank": "Throughput/tokens_per_s_per_rank",
@@ -392,6 +410,21 @@ _TAGS = {
     "val_loss": "Eval/Samples/val_loss",
     "val_ppl": "Eval/Samples/val_ppl",
 }
+
+
+def quiet_monitor(engine: Any) -> Any:
+    """Take DeepSpeed's monitor for the run's log and stop the engine writing to it each step.
+
+    With a monitor on, `engine.step()` writes the LR (and the fp16 loss scale) at every step, and
+    DeepSpeed's TensorBoard writer flushes its event file on every write: a file write per step,
+    on a shared filesystem a round trip. The run's log writes both at the log steps, with the other
+    metrics, through the same monitor (whose `write_events` does not look at `enabled`). Returns
+    the monitor, or None when none is on."""
+    monitor = getattr(engine, "monitor", None)
+    if monitor is None or not getattr(monitor, "enabled", False):
+        return None
+    monitor.enabled = False  # what the engine checks before its per-step writes
+    return monitor
 
 
 def available_monitors(ds_config: dict[str, Any], warn: bool = True) -> dict[str, Any]:
@@ -482,7 +515,7 @@ class MetricsLog:
         self.enabled = enabled
         self.max_steps = max_steps
         self.out = out
-        self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
+        self.monitor = monitor  # from quiet_monitor: None when no monitor is on
         self.start = time.perf_counter()
         self.path = run_dir / "metrics.csv"
         self.bar: Any = None

@@ -31,6 +31,7 @@ from pretrain.metrics import (
     available_monitors,
     device_peak_tflops,
     gather_interval,
+    quiet_monitor,
     seconds_since_process_start,
     start_wandb,
     summarize,
@@ -130,7 +131,7 @@ def _train(cfg: RunConfig, dist: Dist, resume: bool | str | None, dog: Watchdog)
         cfg.run_dir(),
         cfg.schedule.max_steps,
         enabled=dist.is_main,
-        monitor=engine.monitor,
+        monitor=quiet_monitor(engine),
         start_step=at.step,
         progress=cfg.logging.progress_bar,
     )

@@ -129,6 +129,24 @@ def test_bad_config_is_a_one_screen_error(tmp_path, command):
     )
 
 
+def test_train_reports_a_bad_config_before_loading_torch(tmp_path):
+    """A typo in `pretrain train` is answered before torch and DeepSpeed load (seconds of imports),
+    by the same check, with every problem; so is a bad --set under a launcher's variables."""
+    code = (
+        "import sys; from pretrain import cli; "
+        "rc = cli.main(['train', '--set', 'optimizer.lrr=1', '--set', 'model.n_head=3']); "
+        "print('rc', rc, 'torch loaded', 'torch' in sys.modules)"
+    )
+    for launcher in ({}, {"RANK": "0", "WORLD_SIZE": "2"}):
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, env=subprocess_env(**launcher),
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert "rc 2 torch loaded False" in out.stdout, out.stdout + out.stderr
+        assert "optimizer.lrr: unknown field (did you mean 'lr'?)" in out.stderr
+        assert "n_embd (128) must be divisible by n_head (3)" in out.stderr
+
+
 def test_missing_corpus_is_a_one_screen_error(tmp_path):
     out = run(
         [

@@ -22,6 +22,7 @@ from pretrain.metrics import (
     cpu_peak_tflops,
     device_peak_tflops,
     gather_interval,
+    gemm_tflops,
     gpu_peak_tflops,
     progress_enabled,
     summarize,
@@ -207,7 +208,10 @@ def test_train_writes_tensorboard_csv_and_a_plot(tmp_path):
     loss = acc.Scalars("Train/Samples/train_loss")
     assert [e.step for e in loss] == [8, 16, 24, 32]  # samples seen: 4 per step
     assert [e.value for e in loss] == pytest.approx([float(r["loss"]) for r in rows], rel=1e-5)
-    assert len(acc.Scalars("Train/Samples/lr")) == 8  # DeepSpeed's own, every step
+    # At the log steps, from the run's log: DeepSpeed's own per-step write (a flush each step) is off
+    lr = acc.Scalars("Train/Samples/lr")
+    assert [e.step for e in lr] == [8, 16, 24, 32]
+    assert [e.value for e in lr] == pytest.approx([float(r["lr"]) for r in rows], rel=1e-5)
     assert (run_dir / "csv_monitor" / "Train_Samples_train_loss.csv").is_file()
 
     plotted = subprocess.run(
@@ -313,15 +317,32 @@ def test_cpu_fma_peak_from_cpuinfo():
     assert cpu_fma_peak_tflops(1, info) == pytest.approx(2.5e9 * 32 / 1e12)  # 2 FMA units x 8 lanes x 2
     assert cpu_fma_peak_tflops(1, info.replace("fma", "fma avx512f")) == pytest.approx(2.5e9 * 64 / 1e12)
     assert cpu_fma_peak_tflops(1, "flags: avx2 fma\n") is None  # no clock: unknown
+    # 16-bit: twice fp32 with AVX-512 BF16 / FP16 dot products, 2048 FLOPs a cycle with AMX,
+    # else the fp32 peak (the CPU computes them in fp32)
+    zen4 = info.replace("fma", "fma avx512f avx512_bf16")
+    assert cpu_fma_peak_tflops(1, zen4, torch.bfloat16) == pytest.approx(2.5e9 * 128 / 1e12)
+    assert cpu_fma_peak_tflops(1, zen4, torch.float16) == pytest.approx(2.5e9 * 64 / 1e12)
+    amx = zen4.replace("avx512_bf16", "avx512_bf16 amx_tile amx_bf16")
+    assert cpu_fma_peak_tflops(2, amx, torch.bfloat16) == pytest.approx(2 * 2.5e9 * 2048 / 1e12)
+    assert cpu_fma_peak_tflops(1, info, torch.bfloat16) == pytest.approx(2.5e9 * 32 / 1e12)
 
 
-def test_cpu_mfu_peak_is_never_below_the_probe(tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cpu_mfu_peak_is_never_below_the_probe(tmp_path, monkeypatch, precision):
     """MFU on the CPU divides by the larger of the probed GEMM rate and the FMA peak: a probe taken
-    on a loaded machine (too low) can no longer make a run log more than 100%."""
+    on a loaded machine (too low, and cached) can no longer make a run log more than 100%, in fp32
+    or in bf16."""
     monkeypatch.setenv("PRETRAIN_CACHE_DIR", str(tmp_path))
-    peak, source = device_peak_tflops(torch.device("cpu"), "fp32")
-    assert peak is not None and peak >= cpu_peak_tflops(probe_s=0.05)
-    fma = cpu_fma_peak_tflops(torch.get_num_threads())
-    if fma is not None:
-        assert peak >= fma
-        assert "FMA peak" in source or "probe" in source
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    # A probe cached from a loaded machine: far below what this CPU does
+    cpu_peak_tflops(dtype, probe_s=0.01)
+    cache = tmp_path / "cpu_peak_flops.json"
+    cache.write_text(json.dumps({k: 1e-4 for k in json.loads(cache.read_text())}))
+    peak, source = device_peak_tflops(torch.device("cpu"), precision)
+    fma = cpu_fma_peak_tflops(torch.get_num_threads(), dtype=dtype)
+    if fma is None:
+        pytest.skip("/proc/cpuinfo gives no clock or flags here")
+    assert peak == fma and f"CPU {precision} FMA peak" in source
+    # and above what a GEMM in this dtype achieves here
+    a = torch.randn(256, 256).to(dtype)
+    assert peak >= gemm_tflops(a, a, 0.05, windows=2)
