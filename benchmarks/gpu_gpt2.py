@@ -40,7 +40,7 @@ from pretrain.config import RunConfig  # noqa: E402
 from pretrain.dataset import load_manifest, resolve_vocab  # noqa: E402
 from pretrain.guards import Faults  # noqa: E402
 from pretrain.loader import ShardedLoader  # noqa: E402
-from pretrain.metrics import PhaseTimer, device_peak_tflops, peak_memory_bytes  # noqa: E402
+from pretrain.metrics import PhaseTimer, device_peak_tflops, peak_memory_bytes, quiet_monitor  # noqa: E402
 from pretrain.model import GPT, analytic_flops_per_token  # noqa: E402
 from pretrain.prepare import prepare  # noqa: E402
 from pretrain.presets import build  # noqa: E402
@@ -114,6 +114,7 @@ def sync(device: torch.device) -> None:
 
 def ours(cfg: RunConfig, dist: engine.Dist) -> tuple[Callable[[int], torch.Tensor], torch.device]:
     run = setup(cfg, dist, None)
+    quiet_monitor(run.engine)  # as train() does: its log, not the engine, writes to the monitor
     timer, faults = PhaseTimer(run.engine.device), Faults(cfg.run_dir(), 1, env={})
 
     def step(i: int) -> torch.Tensor:

@@ -40,7 +40,7 @@ from pretrain.config import RunConfig  # noqa: E402
 from pretrain.dataset import load_manifest, resolve_vocab  # noqa: E402
 from pretrain.guards import Faults  # noqa: E402
 from pretrain.loader import ShardedLoader  # noqa: E402
-from pretrain.metrics import PhaseTimer, gemm_tflops  # noqa: E402
+from pretrain.metrics import PhaseTimer, gemm_tflops, quiet_monitor  # noqa: E402
 from pretrain.model import GPT, analytic_flops_per_token  # noqa: E402
 from pretrain.prepare import prepare  # noqa: E402
 from pretrain.presets import build  # noqa: E402
@@ -135,6 +135,7 @@ def plain_loop(cfg: RunConfig, compiled: bool, bf16: bool = False) -> Loop:
 def our_loop(cfg: RunConfig, dist: engine.Dist) -> Loop:
     """Our path: `setup()` builds the engine and loaders as a run does; each step is train()'s."""
     run = setup(cfg, dist, None)
+    quiet_monitor(run.engine)  # as train() does: its log, not the engine, writes to the monitor
     timer = PhaseTimer(run.engine.device)
     faults = Faults(cfg.run_dir(), cfg.batch.train_batch_size or 1, env={})
 

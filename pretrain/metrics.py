@@ -149,6 +149,22 @@ def gemm_tflops(a: torch.Tensor, b: torch.Tensor, seconds: float, windows: int =
     return rate / 1e12
 
 
+def cpu_native_bf16(cpuinfo: str | None = None) -> str | None:
+    """The CPU's bf16 matrix instructions (`amx_bf16`, `avx512_bf16`), which oneDNN uses for bf16
+    matmuls at two or more times the fp32 rate; None if it has neither (or /proc/cpuinfo says not)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            flags = set(value.split())
+            return next((f for f in ("amx_bf16", "avx512_bf16") if f in flags), None)
+    return None
+
+
 def cpu_fma_peak_tflops(
     threads: int, cpuinfo: str | None = None, dtype: torch.dtype = torch.float32
 ) -> float | None:

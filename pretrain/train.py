@@ -29,6 +29,7 @@ from pretrain.metrics import (
     MetricsLog,
     PhaseTimer,
     available_monitors,
+    cpu_native_bf16,
     device_peak_tflops,
     gather_interval,
     quiet_monitor,
@@ -127,6 +128,11 @@ def _train(cfg: RunConfig, dist: Dist, resume: bool | str | None, dog: Watchdog)
     dist.log(
         f"MFU against a peak of {f'{peak_tflops:.3g} TFLOP/s per rank' if peak_tflops else 'unknown'} ({peak_source})"
     )
+    if engine.device.type == "cpu" and cfg.precision.name == "fp32" and (isa := cpu_native_bf16()):
+        dist.log(
+            f"this CPU multiplies bf16 natively ({isa}): --set precision.bf16=true trains faster "
+            "(1.6x for the medium preset on a Zen 4 CPU, see docs/speed.md)"
+        )
     log = MetricsLog(
         cfg.run_dir(),
         cfg.schedule.max_steps,

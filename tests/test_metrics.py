@@ -19,6 +19,7 @@ from pretrain.metrics import (
     PhaseTimer,
     RankInterval,
     cpu_fma_peak_tflops,
+    cpu_native_bf16,
     cpu_peak_tflops,
     device_peak_tflops,
     gather_interval,
@@ -325,6 +326,8 @@ def test_cpu_fma_peak_from_cpuinfo():
     amx = zen4.replace("avx512_bf16", "avx512_bf16 amx_tile amx_bf16")
     assert cpu_fma_peak_tflops(2, amx, torch.bfloat16) == pytest.approx(2 * 2.5e9 * 2048 / 1e12)
     assert cpu_fma_peak_tflops(1, info, torch.bfloat16) == pytest.approx(2.5e9 * 32 / 1e12)
+    assert cpu_native_bf16(zen4) == "avx512_bf16" and cpu_native_bf16(amx) == "amx_bf16"
+    assert cpu_native_bf16(info) is None and cpu_native_bf16("") is None
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
