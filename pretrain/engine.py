@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import socket
 from dataclasses import dataclass
@@ -143,6 +144,7 @@ def init_distributed(dist: Dist, timeout_s: float = 1800) -> None:
         # Ranks on one host share its cores; oversubscribed BLAS threads slow everything down.
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.local_world_size))
+        skip_shm_comm_op()
     else:
         accel.set_device(dist.local_rank)
     deepspeed.init_distributed(
@@ -151,6 +153,23 @@ def init_distributed(dist: Dist, timeout_s: float = 1800) -> None:
         verbose=False,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+def skip_shm_comm_op() -> None:
+    """Keep DeepSpeed's CPU backend from building and loading its shared-memory all-reduce op.
+
+    On every start on the CPU, DeepSpeed's torch backend probes the compatibility of all its ops
+    (compiling a test program for libaio: 0.3 s), then loads `deepspeed_shm_comm`, a C++ op it
+    JIT-builds with ninja (35 s on this 2-core machine) the first time in each environment, and
+    again whenever another environment has built it into the shared torch-extensions cache, and
+    maps shared memory for the ranks of a host. The op serves only `inference_all_reduce`, which
+    DeepSpeed's tensor-parallel inference layers call and which falls back to torch.distributed
+    without it; training's collectives go through torch.distributed (gloo) either way.
+    """
+    # By module name: the attribute `deepspeed.comm.torch` is torch itself (re-exported by comm)
+    ds_torch: Any = importlib.import_module("deepspeed.comm.torch")
+    if callable(getattr(ds_torch, "build_shm_op", None)):  # a DeepSpeed without it: nothing to skip
+        ds_torch.build_shm_op = lambda: None  # what it returns where the op cannot be built
 
 
 def device() -> torch.device:

@@ -179,6 +179,8 @@ def test_train_writes_tensorboard_csv_and_a_plot(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "8/8" in out.stderr and "step/s" in out.stderr  # tqdm's bar, forced on
     assert "MFU against a peak of" in out.stdout
+    # DeepSpeed's shared-memory inference op is neither built nor loaded (engine.skip_shm_comm_op)
+    assert "shm_comm" not in out.stdout + out.stderr
 
     with (run_dir / "metrics.csv").open() as f:
         rows = [r for r in csv.DictReader(f) if r["loss"]]
