@@ -25,7 +25,14 @@ from pretrain.config import RunConfig, to_yaml
 from pretrain.ds_config import RECORD, check_with_deepspeed, render_deepspeed
 from pretrain.errors import ConfigError, DataError, OutputError, PretrainError
 from pretrain.files import make_dir, write_atomic
-from pretrain.launch import env_file_text, format_hostfile, launch_environment, read_hostfile, world_size
+from pretrain.launch import (
+    env_file_text,
+    format_hostfile,
+    launch_environment,
+    launcher_world_size,
+    read_hostfile,
+    world_size,
+)
 from pretrain.presets import DS_CONFIG_RENDERS, PRESETS, build, build_checked
 
 
@@ -346,25 +353,9 @@ def _supervise(args: argparse.Namespace) -> int:
 RESTART_COUNTS = ("PRETRAIN_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 
 
-def _launcher_world_size(args: argparse.Namespace) -> int | None:
-    """The world size as the launcher's variables give it, read without importing torch (see
-    `engine.launch_env`); None where only later steps know it (a supervisor, PMIx)."""
-    e = os.environ
-    if args.max_restarts is not None or args.nproc_per_node is not None:
-        return None
-    if "RANK" in e:
-        size = e.get("WORLD_SIZE", "")
-    elif "SLURM_STEP_NUM_TASKS" in e and "SLURM_PROCID" in e:
-        size = e["SLURM_STEP_NUM_TASKS"]
-    elif any(v in e for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")):
-        size = e.get("OMPI_COMM_WORLD_SIZE") or e.get("PMI_SIZE") or ""  # what launch_env holds mpi4py to
-    else:
-        return 1
-    return int(size) if size.isdigit() and int(size) > 0 else None
-
-
 def cmd_train(args: argparse.Namespace) -> int:
-    world = _launcher_world_size(args)
+    supervise = args.max_restarts is not None or args.nproc_per_node is not None
+    world = None if supervise else launcher_world_size()  # a supervisor's ranks: only torchrun knows
     if args.ds is None and world is not None:
         # A typo in the config or a bad --set is reported now, in a fraction of a second, not after
         # torch and DeepSpeed have loaded (seconds). With a --ds JSON the check below runs
@@ -378,7 +369,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pretrain.prepare import prepare
     from pretrain.train import train
 
-    supervise = args.max_restarts is not None or args.nproc_per_node is not None
     if supervise and "RANK" not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
         return _supervise(args)
     dist = engine.launch_env()

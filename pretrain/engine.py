@@ -14,6 +14,7 @@ import torch
 
 from pretrain.config import RunConfig
 from pretrain.errors import ConfigError, require
+from pretrain.launch import MPI_LAUNCHER_VARS
 from pretrain.model import GPT
 
 
@@ -50,7 +51,7 @@ def launch_env() -> Dist:
     if "RANK" not in os.environ:
         if "SLURM_STEP_NUM_TASKS" in os.environ and "SLURM_PROCID" in os.environ:
             _env_from_slurm()
-        elif any(v in os.environ for v in _MPI_LAUNCHER_VARS):
+        elif any(v in os.environ for v in MPI_LAUNCHER_VARS):
             _env_from_mpi()
         else:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
@@ -63,10 +64,6 @@ def launch_env() -> Dist:
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", str(world)))),
     )
-
-
-# Set by mpirun/mpiexec of Open MPI, MPICH/Hydra (PMI) and PMIx-based launchers.
-_MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
 
 
 def _env_from_slurm() -> None:

@@ -16,6 +16,7 @@ that no shell metacharacter from a hostfile ever reaches a pdsh, ssh or mpirun c
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -99,6 +100,26 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
 
 def format_hostfile(hosts: dict[str, int]) -> str:
     return "".join(f"{host} slots={slots}\n" for host, slots in hosts.items())
+
+
+# Set by mpirun/mpiexec of Open MPI, MPICH/Hydra (PMI) and PMIx-based launchers.
+MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+
+
+def launcher_world_size(env: dict[str, str] | None = None) -> int | None:
+    """The world size as the launcher's variables give it, in `engine.launch_env`'s order, read
+    without torch: RANK's WORLD_SIZE, a Slurm step's task count, the size an MPI launcher exports
+    (the one launch_env holds mpi4py to), 1 without a launcher; None where only mpi4py knows."""
+    e = dict(os.environ) if env is None else env
+    if "RANK" in e:
+        size = e.get("WORLD_SIZE", "")
+    elif "SLURM_STEP_NUM_TASKS" in e and "SLURM_PROCID" in e:
+        size = e["SLURM_STEP_NUM_TASKS"]
+    elif any(v in e for v in MPI_LAUNCHER_VARS):
+        size = e.get("OMPI_COMM_WORLD_SIZE") or e.get("PMI_SIZE") or ""
+    else:
+        return 1
+    return int(size) if size.isdigit() and int(size) > 0 else None
 
 
 def world_size(hosts: dict[str, int]) -> int:

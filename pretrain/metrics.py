@@ -149,20 +149,29 @@ def gemm_tflops(a: torch.Tensor, b: torch.Tensor, seconds: float, windows: int =
     return rate / 1e12
 
 
-def cpu_native_bf16(cpuinfo: str | None = None) -> str | None:
-    """The CPU's bf16 matrix instructions (`amx_bf16`, `avx512_bf16`), which oneDNN uses for bf16
-    matmuls at two or more times the fp32 rate; None if it has neither (or /proc/cpuinfo says not)."""
+def _cpu_flags_and_mhz(cpuinfo: str | None) -> tuple[set[str], float]:
+    """The first CPU's flags and clock in /proc/cpuinfo (or the text given); empty and 0 if unread."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
-            return None
+            return set(), 0.0
+    flags: set[str] = set()
+    mhz = 0.0
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "flags":
+        if key.strip() == "flags" and not flags:
             flags = set(value.split())
-            return next((f for f in ("amx_bf16", "avx512_bf16") if f in flags), None)
-    return None
+        elif key.strip() == "cpu MHz" and not mhz:
+            mhz = float(value) if value.strip().replace(".", "", 1).isdigit() else 0.0
+    return flags, mhz
+
+
+def cpu_native_bf16(cpuinfo: str | None = None) -> str | None:
+    """The CPU's bf16 matrix instructions (`amx_bf16`, `avx512_bf16`), which oneDNN uses for bf16
+    matmuls at two or more times the fp32 rate; None if it has neither (or /proc/cpuinfo says not)."""
+    flags, _ = _cpu_flags_and_mhz(cpuinfo)
+    return next((f for f in ("amx_bf16", "avx512_bf16") if f in flags), None)
 
 
 def cpu_fma_peak_tflops(
@@ -176,19 +185,7 @@ def cpu_fma_peak_tflops(
     computes bf16 in fp32). fp16 the same with `amx_fp16` and `avx512_fp16`. An upper bound (some
     cores have one FMA unit, or split AVX-512), so MFU against it never reads above 100%, however
     loaded the machine. None if /proc/cpuinfo does not say."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None
-    flags: set[str] = set()
-    mhz = 0.0
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags" and not flags:
-            flags = set(value.split())
-        elif key.strip() == "cpu MHz" and not mhz:
-            mhz = float(value) if value.strip().replace(".", "", 1).isdigit() else 0.0
+    flags, mhz = _cpu_flags_and_mhz(cpuinfo)
     lanes = 16 if "avx512f" in flags else 8 if {"avx2", "fma"} <= flags else 4 if "sse2" in flags else 0
     if not (lanes and mhz > 0):
         return None
@@ -220,8 +217,7 @@ def device_peak_tflops(
         probed = cpu_peak_tflops(dtype)
         fma = cpu_fma_peak_tflops(threads, dtype=dtype)
         if fma is not None and fma >= probed:
-            kind = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "fp32")
-            return fma, f"CPU {kind} FMA peak, {threads} threads (matmul probe: {probed:.3g})"
+            return fma, f"CPU {precision} FMA peak, {threads} threads (matmul probe: {probed:.3g})"
         return probed, f"CPU matmul probe, {threads} threads"
     return None, f"{device.type}: unknown peak, set logging.peak_tflops"
 

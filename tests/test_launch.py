@@ -17,7 +17,13 @@ import pytest
 from deepspeed.launcher.runner import _parse_hostfile, fetch_hostfile
 
 from pretrain.errors import ConfigError, HostfileError
-from pretrain.launch import env_file_text, launch_environment, parse_hostfile, read_hostfile
+from pretrain.launch import (
+    env_file_text,
+    launch_environment,
+    launcher_world_size,
+    parse_hostfile,
+    read_hostfile,
+)
 from pretrain.presets import build
 from tests.conftest import ROOT, TINY_SHAKESPEARE, subprocess_env
 
@@ -503,3 +509,17 @@ def test_a_master_addr_in_the_environment_does_not_skip_the_hostfile_check(tmp_p
     )
     assert out.returncode != 0 and "not a host name" in out.stdout + out.stderr, out.stdout + out.stderr
     assert "deepspeed" not in out.stdout.lower()
+
+
+def test_launcher_world_size_reads_the_variables_launch_env_uses():
+    """What `pretrain train` checks the config against before torch loads: the same world size
+    `engine.launch_env` will take, or None where only mpi4py (or a supervisor) knows it."""
+    assert launcher_world_size({}) == 1  # no launcher: one rank
+    assert launcher_world_size({"RANK": "3", "WORLD_SIZE": "16"}) == 16
+    assert launcher_world_size({"RANK": "0"}) is None  # RANK without WORLD_SIZE: let launch_env say
+    assert launcher_world_size({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "8"}) == 8
+    assert launcher_world_size({"SLURM_PROCID": "1", "SLURM_NTASKS": "8"}) == 1  # not a job step
+    assert launcher_world_size({"OMPI_COMM_WORLD_SIZE": "4"}) == 4
+    assert launcher_world_size({"PMI_SIZE": "2", "PMI_RANK": "0"}) == 2
+    assert launcher_world_size({"PMIX_RANK": "0"}) is None  # PMIx alone: mpi4py tells
+    assert launcher_world_size({"RANK": "0", "WORLD_SIZE": "0"}) is None
