@@ -28,18 +28,18 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from plain_loop import plain_step  # noqa: E402
+
 from pretrain import engine  # noqa: E402
 from pretrain.config import RunConfig  # noqa: E402
-from pretrain.dataset import load_manifest, resolve_vocab  # noqa: E402
+from pretrain.dataset import resolve_vocab  # noqa: E402
 from pretrain.guards import Faults  # noqa: E402
-from pretrain.loader import ShardedLoader  # noqa: E402
 from pretrain.metrics import PhaseTimer, device_peak_tflops, peak_memory_bytes, quiet_monitor  # noqa: E402
 from pretrain.model import GPT, analytic_flops_per_token  # noqa: E402
 from pretrain.prepare import prepare  # noqa: E402
@@ -133,44 +133,10 @@ def ours(cfg: RunConfig, dist: engine.Dist) -> tuple[Callable[[int], torch.Tenso
 
 
 def plain(cfg: RunConfig, device: torch.device) -> Callable[[int], torch.Tensor]:
-    """nanoGPT's loop: bf16 autocast, torch.compile, fused AdamW, clip_grad_norm_."""
-    data_dir = cfg.data.resolved_dir()
-    torch.manual_seed(cfg.seed)
-    model: Any = GPT(cfg.model).to(device)
-    groups = model.param_groups(cfg.optimizer.weight_decay)
-    for g in groups:
-        g.pop("name")
-    o = cfg.optimizer
-    opt = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
-    model = torch.compile(model)
-    loader = ShardedLoader(
-        [data_dir / s["path"] for s in load_manifest(data_dir)["train"]],
-        block_size=cfg.model.block_size,
-        micro_batch_size=cfg.batch.micro_batch_size,
-        grad_accum=1,
-        rank=0,
-        world_size=1,
-        seed=cfg.data.seed,
-        shuffle=True,
-        verify=False,
-        prefetch=2,
+    """nanoGPT's loop (plain_loop.py): bf16 autocast, torch.compile, fused AdamW, clip_grad_norm_."""
+    return plain_step(
+        cfg, device, compiled=True, bf16=cfg.precision.bf16, fused=True, verify=False, prefetch=2
     )
-    dtype = torch.bfloat16 if cfg.precision.bf16 else torch.float32
-
-    def step(i: int) -> torch.Tensor:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(i, o.lr, cfg.schedule)
-        x, y = loader.next_batch()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=dtype, enabled=cfg.precision.bf16):
-            _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
 
 
 def timed(

@@ -35,11 +35,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from plain_loop import plain_step  # noqa: E402
+
 from pretrain import engine  # noqa: E402
 from pretrain.config import RunConfig  # noqa: E402
 from pretrain.dataset import load_manifest, resolve_vocab  # noqa: E402
 from pretrain.guards import Faults  # noqa: E402
-from pretrain.loader import ShardedLoader  # noqa: E402
 from pretrain.metrics import PhaseTimer, gemm_tflops, quiet_monitor  # noqa: E402
 from pretrain.model import GPT, analytic_flops_per_token  # noqa: E402
 from pretrain.prepare import prepare  # noqa: E402
@@ -92,44 +93,9 @@ class Loop:
 
 
 def plain_loop(cfg: RunConfig, compiled: bool, bf16: bool = False) -> Loop:
-    """The reference: a textbook PyTorch loop (torch.compile'd if `compiled`; the forward under
-    bf16 autocast if `bf16`, fp32 weights and optimizer, as nanoGPT does it)."""
-    data_dir = cfg.data.resolved_dir()
-    torch.manual_seed(cfg.seed)
-    model: torch.nn.Module = GPT(cfg.model)
-    groups = model.param_groups(cfg.optimizer.weight_decay)  # type: ignore[operator]
-    for g in groups:
-        g.pop("name")
-    o = cfg.optimizer
-    opt = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
-    if compiled:
-        model = torch.compile(model)  # type: ignore[assignment]
-    b = cfg.batch
-    loader = ShardedLoader(
-        [data_dir / s["path"] for s in load_manifest(data_dir)["train"]],
-        block_size=cfg.model.block_size,
-        micro_batch_size=b.micro_batch_size,
-        grad_accum=1,
-        rank=0,
-        world_size=1,
-        seed=cfg.data.seed,
-        shuffle=True,
-    )
-    model.train()
-
-    def step(i: int) -> torch.Tensor:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(i, o.lr, cfg.schedule)
-        x, y = loader.next_batch()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return Loop(step)
+    """The reference: a textbook PyTorch loop (plain_loop.py; torch AdamW's defaults), compiled if
+    `compiled`, the forward under bf16 autocast if `bf16` (fp32 weights and optimizer)."""
+    return Loop(plain_step(cfg, torch.device("cpu"), compiled=compiled, bf16=bf16))
 
 
 def our_loop(cfg: RunConfig, dist: engine.Dist) -> Loop:
