@@ -47,12 +47,12 @@ def launch(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> None:
     import torch.distributed as tdist
 
-    from pretrain import checkpoint, guards
-    from pretrain import engine as ds_engine
-    from pretrain.ds_config import render_deepspeed
+    from pretrain.config.ds_render import render_deepspeed
+    from pretrain.config.presets import build
+    from pretrain.config.tree import analytic_num_params
     from pretrain.export import consolidated_state_dict
-    from pretrain.model import analytic_num_params
-    from pretrain.presets import build
+    from pretrain.training import checkpoint, guards
+    from pretrain.training import engine as ds_engine
 
     dist = ds_engine.launch_env()
     ds_engine.init_distributed(dist)

@@ -39,13 +39,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pretrain.config import DataConfig  # noqa: E402
-from pretrain.corpus import shakespeare_files  # noqa: E402
-from pretrain.dataset import load_manifest  # noqa: E402
+from pretrain.config.tree import DataConfig  # noqa: E402
+from pretrain.data.corpus import shakespeare_files  # noqa: E402
+from pretrain.data.dataset import load_manifest  # noqa: E402
+from pretrain.data.prepare import prepare  # noqa: E402
+from pretrain.data.shards import HEADER_SIZE, read_header  # noqa: E402
+from pretrain.data.tokenizer import TiktokenTokenizer  # noqa: E402
 from pretrain.errors import DataError  # noqa: E402
-from pretrain.prepare import prepare  # noqa: E402
-from pretrain.shards import HEADER_SIZE, read_header  # noqa: E402
-from pretrain.tokenizer import TiktokenTokenizer  # noqa: E402
 
 DOC_BYTES = 16 << 10
 
@@ -203,7 +203,7 @@ def bench_formats(corpus: Path, work: Path, workers: int, tokenizer_path: str | 
 def bench_loader(dataset: Path, block: int, micro: int, batches: int) -> tuple[float, float]:
     import torch
 
-    from pretrain.loader import ShardedLoader
+    from pretrain.data.loader import ShardedLoader
 
     paths = [dataset / e["path"] for e in load_manifest(dataset)["train"]]
     loader = ShardedLoader(paths, block, micro, 1, 0, 1, seed=0, verify=False)
@@ -261,7 +261,7 @@ def bench_prefetch(dataset: Path, block: int, micro: int, step_ms: float, steps:
     """The share of a simulated step spent waiting in next_batch, with prefetching."""
     import torch
 
-    from pretrain.loader import ShardedLoader
+    from pretrain.data.loader import ShardedLoader
 
     paths = [dataset / e["path"] for e in load_manifest(dataset)["train"]]
     loader = ShardedLoader(paths, block, micro, 1, 0, 1, seed=0, verify=False, prefetch=2)

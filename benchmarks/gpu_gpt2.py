@@ -4,7 +4,7 @@ beside a plain PyTorch loop (bf16 autocast, torch.compile, fused torch AdamW) on
     .venv/bin/python benchmarks/gpu_gpt2.py                 # one GPU, then all GPUs of the node if > 1
     .venv/bin/python benchmarks/gpu_gpt2.py --cpu-smoke     # the same code end to end on the CPU, tiny
 
-Prints tokens/s, MFU against the device's bf16 peak (pretrain.metrics' datasheet table) and peak
+Prints tokens/s, MFU against the device's bf16 peak (pretrain.training.metrics' datasheet table) and peak
 memory of each, as medians of alternating rounds. Our path is the run's own `setup()` and, per
 step, what `train()` does (`train_step()`, the non-finite-loss agreement); the data is the real
 pipeline's (a generated text, char tokens, the embedding padded to GPT-2's 50304 rows, so the
@@ -36,16 +36,17 @@ sys.path.insert(0, str(ROOT))
 
 from plain_loop import plain_step  # noqa: E402
 
-from pretrain import engine  # noqa: E402
-from pretrain.config import RunConfig  # noqa: E402
-from pretrain.dataset import resolve_vocab  # noqa: E402
-from pretrain.guards import Faults  # noqa: E402
-from pretrain.metrics import PhaseTimer, device_peak_tflops, peak_memory_bytes, quiet_monitor  # noqa: E402
-from pretrain.model import GPT, analytic_flops_per_token  # noqa: E402
-from pretrain.prepare import prepare  # noqa: E402
-from pretrain.presets import build  # noqa: E402
-from pretrain.schedule import lr_at  # noqa: E402
-from pretrain.train import setup, train_step  # noqa: E402
+from pretrain.cluster.hardware import device_peak_tflops  # noqa: E402
+from pretrain.config.presets import build  # noqa: E402
+from pretrain.config.tree import RunConfig, analytic_flops_per_token  # noqa: E402
+from pretrain.data.dataset import resolve_vocab  # noqa: E402
+from pretrain.data.prepare import prepare  # noqa: E402
+from pretrain.training import engine  # noqa: E402
+from pretrain.training.guards import Faults  # noqa: E402
+from pretrain.training.loop import setup, train_step  # noqa: E402
+from pretrain.training.metrics import PhaseTimer, peak_memory_bytes, quiet_monitor  # noqa: E402
+from pretrain.training.model import GPT  # noqa: E402
+from pretrain.training.schedule import lr_at  # noqa: E402
 
 VOCAB = 50304  # GPT-2's 50257 rounded up to a multiple of 64, as nanoGPT does
 

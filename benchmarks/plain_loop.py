@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from pretrain.config import RunConfig
-from pretrain.dataset import load_manifest
-from pretrain.loader import ShardedLoader
-from pretrain.model import GPT
-from pretrain.schedule import lr_at
+from pretrain.config.tree import RunConfig
+from pretrain.data.dataset import load_manifest
+from pretrain.data.loader import ShardedLoader
+from pretrain.training.model import GPT
+from pretrain.training.schedule import lr_at
 
 
 def plain_step(

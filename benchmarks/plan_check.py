@@ -6,7 +6,7 @@ stages 0-3 with and without offload.
 1. Measures the all-reduce bus bandwidth between N ranks, as `pretrain preflight` does.
 2. Trains each variant for --steps steps under `torchrun` (the real engine) and takes the median
    step time of the logged steps after the first.
-3. Predicts each variant's step time with `pretrain.plan.predict_step`, its rates calibrated on the
+3. Predicts each variant's step time with `pretrain.cluster.plan.predict_step`, its rates calibrated on the
    stage-0 run (`pretrain plan --from-run`: its forward+backward and optimizer times) and the
    measured bus bandwidth, and prints predicted against measured.
 
@@ -28,11 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pretrain.dataset import resolve_vocab  # noqa: E402
-from pretrain.metrics import read_csv  # noqa: E402
-from pretrain.plan import VARIANTS, predict_step, resolve_rates  # noqa: E402
-from pretrain.prepare import prepare  # noqa: E402
-from pretrain.presets import build  # noqa: E402
+from pretrain.cluster.plan import VARIANTS, predict_step, resolve_rates  # noqa: E402
+from pretrain.config.presets import build  # noqa: E402
+from pretrain.data.dataset import resolve_vocab  # noqa: E402
+from pretrain.data.prepare import prepare  # noqa: E402
+from pretrain.files import read_csv  # noqa: E402
 
 TINY_SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 QUIET = ["logging.eval_interval=100000", "logging.sample_tokens=0", "logging.log_interval=1",
@@ -52,11 +52,11 @@ def env() -> dict[str, str]:
 
 
 def bus_bandwidth(nproc: int) -> float:
-    """A timed 8 MiB all-reduce between nproc local ranks (pretrain/probe.py, as preflight runs it)."""
+    """A timed 8 MiB all-reduce between nproc local ranks (pretrain/cluster/probe.py, as preflight runs it)."""
     args = {"world": nproc, "master_addr": "127.0.0.1", "master_port": free_port(), "bytes": 8 << 20,
             "iters": 5, "timeout": 120, "rank_base": 0, "slots": nproc}  # fmt: skip
     out = subprocess.run(
-        [sys.executable, "-m", "pretrain.probe", "allreduce", json.dumps(args)],
+        [sys.executable, "-m", "pretrain.cluster.probe", "allreduce", json.dumps(args)],
         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180, check=True,
     )  # fmt: skip
     return float(json.loads(out.stdout.strip().splitlines()[-1])["busbw"])

@@ -28,13 +28,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pretrain import engine as ds_engine  # noqa: E402
-from pretrain import guards  # noqa: E402
-from pretrain.metrics import PhaseTimer, quiet_monitor  # noqa: E402
-from pretrain.prepare import prepare  # noqa: E402
-from pretrain.presets import build  # noqa: E402
-from pretrain.schedule import lr_at  # noqa: E402
-from pretrain.train import setup, train_step  # noqa: E402
+from pretrain.config.presets import build  # noqa: E402
+from pretrain.data.prepare import prepare  # noqa: E402
+from pretrain.training import engine as ds_engine  # noqa: E402
+from pretrain.training import guards  # noqa: E402
+from pretrain.training.loop import setup, train_step  # noqa: E402
+from pretrain.training.metrics import PhaseTimer, quiet_monitor  # noqa: E402
+from pretrain.training.schedule import lr_at  # noqa: E402
 
 COMMON = ["zero.stage=0", "logging.progress_bar=off", "data.prefetch=0"]
 SHAPES = {

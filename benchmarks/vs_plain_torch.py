@@ -37,16 +37,17 @@ sys.path.insert(0, str(ROOT))
 
 from plain_loop import plain_step  # noqa: E402
 
-from pretrain import engine  # noqa: E402
-from pretrain.config import RunConfig  # noqa: E402
-from pretrain.dataset import load_manifest, resolve_vocab  # noqa: E402
-from pretrain.guards import Faults  # noqa: E402
-from pretrain.metrics import PhaseTimer, gemm_tflops, quiet_monitor  # noqa: E402
-from pretrain.model import GPT, analytic_flops_per_token  # noqa: E402
-from pretrain.prepare import prepare  # noqa: E402
-from pretrain.presets import build  # noqa: E402
-from pretrain.schedule import lr_at  # noqa: E402
-from pretrain.train import setup, train_step  # noqa: E402
+from pretrain.cluster.hardware import gemm_tflops  # noqa: E402
+from pretrain.config.presets import build  # noqa: E402
+from pretrain.config.tree import RunConfig, analytic_flops_per_token  # noqa: E402
+from pretrain.data.dataset import load_manifest, resolve_vocab  # noqa: E402
+from pretrain.data.prepare import prepare  # noqa: E402
+from pretrain.training import engine  # noqa: E402
+from pretrain.training.guards import Faults  # noqa: E402
+from pretrain.training.loop import setup, train_step  # noqa: E402
+from pretrain.training.metrics import PhaseTimer, quiet_monitor  # noqa: E402
+from pretrain.training.model import GPT  # noqa: E402
+from pretrain.training.schedule import lr_at  # noqa: E402
 
 SIZES = {
     "4/4/128": ("tiny", ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.block_size=64",

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/zero_stages.py [--nproc 2] [--micro 2,8] [--out benchmarks/results]
 
 Starts `torchrun --nproc_per_node N` (gloo on the CPU, NCCL on GPUs) running this file as a worker,
-which trains each variant for a few steps with the real engine (`pretrain.engine`) and measures per
+which trains each variant for a few steps with the real engine (`pretrain.training.engine`) and measures per
 rank:
 
 - tokens/s over the measured steps;
@@ -120,7 +120,7 @@ def _trim() -> None:
 
 
 def _rss() -> int:
-    from pretrain.metrics import current_rss_bytes
+    from pretrain.training.metrics import current_rss_bytes
 
     return current_rss_bytes()
 
@@ -186,11 +186,11 @@ def worker(args: argparse.Namespace) -> None:
     import deepspeed.comm as dscomm
     import torch.distributed as tdist
 
-    from pretrain import engine as ds_engine
-    from pretrain.dataset import load_manifest, resolve_vocab
-    from pretrain.ds_config import render_deepspeed
-    from pretrain.loader import ShardedLoader
-    from pretrain.presets import build
+    from pretrain.config.ds_render import render_deepspeed
+    from pretrain.config.presets import build
+    from pretrain.data.dataset import load_manifest, resolve_vocab
+    from pretrain.data.loader import ShardedLoader
+    from pretrain.training import engine as ds_engine
 
     stage, off, par = (int(v) for v in args.variant.split(","))
     micro, knobs = int(args.micro), args.knobs
@@ -296,10 +296,10 @@ def worker(args: argparse.Namespace) -> None:
 
 def predictions(micro: int, world: int, bucket: int, work: Path) -> dict[tuple[int, str], dict[str, float]]:
     """`pretrain plan`'s numbers for this shape, everything counted as host memory (a CPU run)."""
-    from pretrain.dataset import load_manifest
-    from pretrain.model import analytic_num_params
-    from pretrain.plan import comm_elements, plan_stages
-    from pretrain.presets import build
+    from pretrain.cluster.plan import comm_elements, plan_stages
+    from pretrain.config.presets import build
+    from pretrain.config.tree import analytic_num_params
+    from pretrain.data.dataset import load_manifest
 
     vocab = load_manifest(work / "data")["tokenizer"]["vocab_size"]
     cfg = build(
@@ -466,8 +466,8 @@ def main() -> None:
     runs += [((s, False, False), micros[0], "default") for s in (1, 2, 3)]
     names = [variant_name(*v, m, k) for v, m, k in runs]
     if not args.report_only:
-        from pretrain.prepare import prepare
-        from pretrain.presets import build
+        from pretrain.config.presets import build
+        from pretrain.data.prepare import prepare
 
         data_cfg = build(
             "tiny", overrides=overrides(0, False, False, 1, "paper", 1, work, work / "data")

@@ -21,11 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import RunConfig, to_yaml
-from pretrain.ds_config import RECORD, check_with_deepspeed, render_deepspeed
-from pretrain.errors import ConfigError, DataError, OutputError, PretrainError
-from pretrain.files import make_dir, write_atomic
-from pretrain.launch import (
+from pretrain.cluster.launch import (
     env_file_text,
     format_hostfile,
     launch_environment,
@@ -33,7 +29,12 @@ from pretrain.launch import (
     read_hostfile,
     world_size,
 )
-from pretrain.presets import DS_CONFIG_RENDERS, PRESETS, build, build_checked
+from pretrain.config.ds_keys import RECORD
+from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
+from pretrain.config.presets import DS_CONFIG_RENDERS, PRESETS, build, build_checked
+from pretrain.config.tree import RunConfig, to_yaml
+from pretrain.errors import ConfigError, DataError, OutputError, PretrainError
+from pretrain.files import make_dir, write_atomic
 
 
 def _number(kind: type[int] | type[float], low: float, above: bool = False, high: float | None = None) -> Any:
@@ -363,11 +364,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         _config(args, world, deepspeed=False)
     import torch.distributed as tdist  # torch and DeepSpeed: only for the commands that run them
 
-    from pretrain import engine
-    from pretrain.checkpoint import committed_tags
-    from pretrain.dataset import MANIFEST
-    from pretrain.prepare import prepare
-    from pretrain.train import train
+    from pretrain.data.dataset import MANIFEST
+    from pretrain.data.prepare import prepare
+    from pretrain.training import engine
+    from pretrain.training.checkpoint import committed_tags
+    from pretrain.training.loop import train
 
     if supervise and "RANK" not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
         return _supervise(args)
@@ -410,7 +411,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from pretrain.checkpoint import convert_to_universal  # torch, DeepSpeed
+    from pretrain.training.checkpoint import convert_to_universal  # torch, DeepSpeed
 
     out = convert_to_universal(Path(args.src), workers=args.workers, checksums=not args.no_checksums)
     print(
@@ -490,8 +491,8 @@ def _add_prepare_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from pretrain.dataset import load_manifest, summary  # numpy, tiktoken: per command, as above
-    from pretrain.prepare import format_report, prepare
+    from pretrain.data.dataset import load_manifest, summary  # numpy, tiktoken: per command, as above
+    from pretrain.data.prepare import format_report, prepare
 
     cfg = _config(args, None, deepspeed=False)
     data = cfg.data
@@ -582,8 +583,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from pretrain.dataset import tokenizer_vocab_size  # tiktoken, torch: per command, as above
-    from pretrain.model import analytic_num_params
+    from pretrain.config.tree import analytic_num_params
+    from pretrain.data.dataset import tokenizer_vocab_size  # tiktoken, torch: per command, as above
 
     for name in PRESETS:
         cfg = build(name)
@@ -599,8 +600,15 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from pretrain.dataset import resolve_vocab, vocab_size  # tiktoken, torch: per command, as above
-    from pretrain.plan import Target, default_device_gb, host_memory_gb, plan_json, render_plan, resolve_rates
+    from pretrain.cluster.plan import (
+        Target,
+        default_device_gb,
+        host_memory_gb,
+        plan_json,
+        render_plan,
+        resolve_rates,
+    )
+    from pretrain.data.dataset import resolve_vocab, vocab_size  # tiktoken, torch: per command, as above
 
     if args.config_file in PRESETS and not Path(args.config_file).is_file():
         args.preset, args.config_file = args.preset or args.config_file, None  # `pretrain plan gpt2-124m`
@@ -677,7 +685,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     report = preflight(cfg, opts)
     print(format_report(report), flush=True)
     if report.allreduce:  # for `pretrain plan`'s communication time
-        from pretrain.plan import PREFLIGHT_FILE  # torch, which preflight has loaded already
+        from pretrain.cluster.plan import PREFLIGHT_FILE  # torch, which preflight has loaded already
 
         cfg.run_dir().mkdir(parents=True, exist_ok=True)
         text = json.dumps({"hostfile": args.hostfile, "allreduce": report.allreduce}, indent=1) + "\n"

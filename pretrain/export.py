@@ -27,12 +27,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from pretrain import checkpoint
-from pretrain.config import ModelConfig, RunConfig
+from pretrain.config.tree import ModelConfig, RunConfig
+from pretrain.data.tokenizer import BPE_RANKS_FILE, ENDOFTEXT, Tokenizer, hf_tokenizer, load_tokenizer
 from pretrain.errors import CheckpointError, DataError, OutputError
 from pretrain.files import check_output_dir, default_mode, replace_dir, temp_name, write_atomic
-from pretrain.model import GPT, NORM_EPS
-from pretrain.tokenizer import BPE_RANKS_FILE, ENDOFTEXT, Tokenizer, hf_tokenizer, load_tokenizer
+from pretrain.training import checkpoint
+from pretrain.training.model import GPT, NORM_EPS
 
 WEIGHTS = "model.safetensors"
 INFO = "pretrain.json"

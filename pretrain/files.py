@@ -10,6 +10,7 @@ dataset, an export, a universal checkpoint) is staged beside its final name and 
 
 from __future__ import annotations
 
+import csv
 import os
 import shutil
 from collections.abc import Callable, Sequence
@@ -164,3 +165,12 @@ def format_bytes(n: float) -> str:
             return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"
+
+
+def read_csv(path: Path) -> list[dict[str, float | None]]:
+    """A CSV of numbers (metrics.csv) back as numbers; empty cells are None."""
+    with path.open(newline="") as f:
+        return [
+            {k: (float(v) if v not in ("", None) else None) for k, v in row.items()}
+            for row in csv.DictReader(f)
+        ]

@@ -8,7 +8,7 @@ import itertools
 from pathlib import Path
 
 from pretrain.errors import DataError, require
-from pretrain.metrics import read_csv
+from pretrain.files import read_csv
 
 STARTS = "starts.csv"
 

@@ -1,6 +1,6 @@
 """`pretrain preflight`: check every host of a hostfile before a multi-node run spends GPU-hours.
 
-Preflight runs `pretrain/probe.py` on every host at once (`ssh HOST 'cd REPO && PYTHON - ...'`),
+Preflight runs `pretrain/cluster/probe.py` on every host at once (`ssh HOST 'cd REPO && PYTHON - ...'`),
 compares what comes back, then times an all-reduce across all ranks. It reaches each host the way
 DeepSpeed's launcher will (`launch_ssh_hosts`): over ssh, with DeepSpeed's options, to every host
 the launch ssh'es to, localhost included; without ssh where the launch needs none (`--no_ssh`, or a
@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain import probe
-from pretrain.config import RunConfig
-from pretrain.dataset import MANIFEST, SPLITS, dataset_dirs, resolve_vocab
-from pretrain.ds_config import render_deepspeed
+from pretrain.cluster import probe
+from pretrain.cluster.launch import launch_environment
+from pretrain.config.ds_render import render_deepspeed
+from pretrain.config.tree import RunConfig
+from pretrain.data.dataset import MANIFEST, SPLITS, dataset_dirs, resolve_vocab
+from pretrain.data.shards import HEADER_SIZE
 from pretrain.errors import CheckpointError
 from pretrain.files import format_bytes
-from pretrain.launch import launch_environment
-from pretrain.shards import HEADER_SIZE
 
 LOCAL_HOSTS = {"localhost", "127.0.0.1"}
 VERSION_KEYS = ("python", "torch", "deepspeed", "cuda", "nccl")
@@ -164,7 +164,7 @@ def _last_line(text: str) -> str:
 
 def inspect_hosts(cfg: RunConfig, opts: Options, report: Report) -> dict[str, dict[str, Any]]:
     """Probe every host in parallel; record unreachable ones. Returns the probes that answered."""
-    from pretrain.checkpoint import estimate_bytes  # torch, for the model's parameter count
+    from pretrain.training.checkpoint import estimate_bytes  # torch, for the model's parameter count
 
     first = next(iter(opts.hosts))
     common = {
@@ -503,7 +503,10 @@ def format_report(report: Report) -> str:
 def check_run_dir(cfg: RunConfig, opts: Options, report: Report) -> None:
     """On this machine: no other run holds the run dir, and the checkpoint `--resume` would load
     verifies, through the reader training uses (each one it would skip is a warning)."""
-    from pretrain import checkpoint, rundir  # torch
+    from pretrain.training import (
+        checkpoint,
+        rundir,  # torch
+    )
 
     host = next(iter(opts.hosts))
     run_dir = cfg.run_dir()

@@ -12,10 +12,10 @@ import os
 import sys
 from pathlib import Path
 
-from pretrain import engine
+from pretrain.config.presets import build
 from pretrain.errors import CheckpointError, DataError
-from pretrain.presets import build
-from pretrain.train import train
+from pretrain.training import engine
+from pretrain.training.loop import train
 
 # A small GPT on tiny-shakespeare, logging every step.
 BASE = [

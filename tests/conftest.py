@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain import checkpoint
+from pretrain.training import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -35,8 +35,8 @@ def require_shared_data() -> None:
 def char_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-shakespeare prepared char-level once per session (90/10 split, vocab 65)."""
     require_shared_data()
-    from pretrain.config import DataConfig
-    from pretrain.prepare import prepare
+    from pretrain.config.tree import DataConfig
+    from pretrain.data.prepare import prepare
 
     out = tmp_path_factory.mktemp("data") / "tinyshakespeare-char"
     return prepare(DataConfig(corpus=str(TINY_SHAKESPEARE), tokenizer="char", dataset_dir=str(out)))

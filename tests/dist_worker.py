@@ -1,6 +1,6 @@
 """One rank of a multi-variant training job, started by torchrun from test_distributed.py.
 
-Trains each variant in turn with the real loop (`pretrain.train.train`) in one process group, so
+Trains each variant in turn with the real loop (`pretrain.training.loop.train`) in one process group, so
 the process start-up and the first `deepspeed.initialize` are paid once. Rank 0 writes the per-step
 losses of every variant to a JSON file.
 """
@@ -11,9 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from pretrain import engine
-from pretrain.presets import build
-from pretrain.train import train
+from pretrain.config.presets import build
+from pretrain.training import engine
+from pretrain.training.loop import train
 
 # A small GPT on tiny-shakespeare, 20 steps, logging every step.
 BASE = [

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain import checkpoint, guards
-from pretrain.config import CheckpointConfig
+from pretrain.config.tree import CheckpointConfig
+from pretrain.training import checkpoint, guards
 from tests.conftest import CORPUS, ckpt, cli, torchrun
 
 # ---------------------------------------------------------------------------------------------
@@ -365,8 +365,8 @@ def test_faults_parse_and_fire_once(tmp_path):
 def test_resume_refuses_another_arch_and_reads_model_fields_it_lacks_as_their_defaults(
     char_dataset, tmp_path
 ):
-    from pretrain.config import RunConfig
-    from pretrain.dataset import Dataset, load_manifest
+    from pretrain.config.tree import RunConfig
+    from pretrain.data.dataset import Dataset, load_manifest
     from pretrain.errors import DataError
 
     ds = Dataset(char_dataset, load_manifest(char_dataset))

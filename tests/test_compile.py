@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.config import validate
-from pretrain.ds_config import tree_from_deepspeed
+from pretrain.config.ds_read import tree_from_deepspeed
+from pretrain.config.tree import validate
 from pretrain.errors import ConfigError
 from tests.conftest import ckpt, cli, torchrun
 

@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 
 from pretrain.cli import render_file
-from pretrain.config import DEEPSPEED_PASSTHROUGH_KEYS, RunConfig, deep_merge, validate
-from pretrain.ds_config import check_with_deepspeed, render_deepspeed, tree_from_deepspeed
+from pretrain.config.ds_keys import DEEPSPEED_PASSTHROUGH_KEYS
+from pretrain.config.ds_read import tree_from_deepspeed
+from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
+from pretrain.config.presets import DS_CONFIG_RENDERS, PRESETS, build
+from pretrain.config.tree import RunConfig, deep_merge, validate
 from pretrain.errors import ConfigError
-from pretrain.presets import DS_CONFIG_RENDERS, PRESETS, build
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,10 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from pretrain.config import DataConfig
-from pretrain.corpus import DataError, HFOptions, iter_documents, iter_input_files
-from pretrain.dataset import load_manifest
-from pretrain.prepare import prepare
+from pretrain.config.tree import DataConfig
+from pretrain.data.corpus import DataError, HFOptions, iter_documents, iter_input_files
+from pretrain.data.dataset import load_manifest
+from pretrain.data.prepare import prepare
 
 
 def texts(n: int = 300) -> list[str]:

@@ -13,13 +13,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pretrain.config import CleanConfig, DataConfig
-from pretrain.corpus import CleanStats, DataError, download, iter_documents, iter_input_files
-from pretrain.dataset import load_manifest, open_datasets, shard_paths
-from pretrain.dedup import ExactDedup, MinHasher, NearDedup
-from pretrain.prepare import format_report, is_val_document, prepare
-from pretrain.shards import HEADER_SIZE, ShardWriter, dtype_for_vocab, open_shard, read_header, write_shard
-from pretrain.tokenizer import BPETokenizer, CharTokenizer, TiktokenTokenizer, count_words, load_tokenizer
+from pretrain.config.tree import CleanConfig, DataConfig
+from pretrain.data.corpus import CleanStats, DataError, download, iter_documents, iter_input_files
+from pretrain.data.dataset import load_manifest, open_datasets, shard_paths
+from pretrain.data.dedup import ExactDedup, MinHasher, NearDedup
+from pretrain.data.prepare import format_report, is_val_document, prepare
+from pretrain.data.shards import (
+    HEADER_SIZE,
+    ShardWriter,
+    dtype_for_vocab,
+    open_shard,
+    read_header,
+    write_shard,
+)
+from pretrain.data.tokenizer import (
+    BPETokenizer,
+    CharTokenizer,
+    TiktokenTokenizer,
+    count_words,
+    load_tokenizer,
+)
 from tests.conftest import GPT2_RANKS as RANKS
 from tests.conftest import SHARED_DATA
 from tests.conftest import TINY_SHAKESPEARE as TINY
@@ -301,7 +314,7 @@ def test_exact_dedup_set_grows_and_remembers() -> None:
 def test_minhash_signatures_match_datasketch_and_find_near_duplicates() -> None:
     from datasketch import MinHash
 
-    from pretrain.corpus import shingle_hashes
+    from pretrain.data.corpus import shingle_hashes
 
     base = " ".join(f"word{i}" for i in range(300))
     near = base.replace("word150", "changed")

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from pretrain.config import RunConfig
+from pretrain.config.tree import RunConfig
+from pretrain.data.tokenizer import BPETokenizer, CharTokenizer, TiktokenTokenizer, Tokenizer, count_words
 from pretrain.export import hf_architecture, write_hf
-from pretrain.model import GPT
-from pretrain.tokenizer import BPETokenizer, CharTokenizer, TiktokenTokenizer, Tokenizer, count_words
+from pretrain.training.model import GPT
 from tests.conftest import GPT2_RANKS, TINY_SHAKESPEARE, require_shared_data
 
 transformers = pytest.importorskip("transformers", reason="transformers is a dev extra")

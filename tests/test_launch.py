@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 from deepspeed.launcher.runner import _parse_hostfile, fetch_hostfile
 
-from pretrain.errors import ConfigError, HostfileError
-from pretrain.launch import (
+from pretrain.cluster.launch import (
     env_file_text,
     launch_environment,
     launcher_world_size,
     parse_hostfile,
     read_hostfile,
 )
-from pretrain.presets import build
+from pretrain.config.presets import build
+from pretrain.errors import ConfigError, HostfileError
 from tests.conftest import ROOT, TINY_SHAKESPEARE, subprocess_env
 
 SCRIPTS = ["pdsh.sh", "no_ssh.sh", "mpirun.sh", "slurm.sbatch"]
@@ -143,7 +143,7 @@ def test_launch_environment_refuses_what_a_shell_would_expand():
 
 
 def test_slurm_step_discovery(monkeypatch):
-    from pretrain import engine
+    from pretrain.training import engine
 
     for k in [k for k in os.environ if k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "SLURM", "MASTER"))]:
         monkeypatch.delenv(k)
@@ -433,7 +433,7 @@ def test_preflight_refuses_a_hostfile_deepspeed_would_ssh_to(char_dataset, tmp_p
     ],
 )
 def test_the_ops_a_config_needs(overrides, ops):
-    from pretrain.ds_config import render_deepspeed
+    from pretrain.config.ds_render import render_deepspeed
     from pretrain.preflight import needed_ops
 
     assert needed_ops(render_deepspeed(build(overrides=overrides, world_size=2))) == ops

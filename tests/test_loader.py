@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from pretrain.data.loader import BLOCK, Permutation, ShardedLoader
+from pretrain.data.shards import write_shard
 from pretrain.errors import DataError
-from pretrain.loader import BLOCK, Permutation, ShardedLoader
-from pretrain.shards import write_shard
 
 BLOCK_SIZE = 4
 

@@ -13,22 +13,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.metrics import (
-    FIELDS,
-    MetricsLog,
-    PhaseTimer,
-    RankInterval,
+from pretrain.cluster.hardware import (
     cpu_fma_peak_tflops,
     cpu_native_bf16,
     cpu_peak_tflops,
     device_peak_tflops,
-    gather_interval,
     gemm_tflops,
     gpu_peak_tflops,
+)
+from pretrain.plot import plot_run, run_events
+from pretrain.training.metrics import (
+    FIELDS,
+    MetricsLog,
+    PhaseTimer,
+    RankInterval,
+    gather_interval,
     progress_enabled,
     summarize,
 )
-from pretrain.plot import plot_run, run_events
 from tests.conftest import TINY_SHAKESPEARE, require_shared_data, subprocess_env
 
 BIN = Path(sys.executable).parent
@@ -225,7 +227,7 @@ def test_train_writes_tensorboard_csv_and_a_plot(tmp_path):
 
 
 def test_wandb_is_dropped_with_a_note_naming_the_extra_when_not_installed(capsys, monkeypatch):
-    from pretrain.metrics import available_monitors
+    from pretrain.training.metrics import available_monitors
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # as on a machine without the wandb extra
     ds = {"wandb": {"enabled": True, "project": "p"}, "tensorboard": {"enabled": True}, "train_batch_size": 1}

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from pretrain.config import ModelConfig
-from pretrain.model import GPT, Block, analytic_num_params, apply_rope, rope_cache
+from pretrain.config.tree import ModelConfig, analytic_num_params
+from pretrain.training.model import GPT, Block, apply_rope, rope_cache
 
 VOCAB = 65
 

@@ -7,10 +7,7 @@ import json
 
 import pytest
 
-from pretrain.config import to_yaml
-from pretrain.errors import ConfigError
-from pretrain.model import analytic_flops_per_token, analytic_num_params
-from pretrain.plan import (
+from pretrain.cluster.plan import (
     Rates,
     activation_bytes,
     comm_elements,
@@ -21,7 +18,9 @@ from pretrain.plan import (
     predict_step,
     resolve_rates,
 )
-from pretrain.presets import build
+from pretrain.config.presets import build
+from pretrain.config.tree import analytic_flops_per_token, analytic_num_params, to_yaml
+from pretrain.errors import ConfigError
 
 
 @pytest.mark.parametrize(

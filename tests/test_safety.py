@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain import checkpoint
 from pretrain.errors import CheckpointError, DataError
+from pretrain.training import checkpoint
 from tests.conftest import BIN, ROOT, TINY_SHAKESPEARE, cli, subprocess_env
 
 TINY = [
@@ -255,8 +255,8 @@ def test_sample_device_that_is_not_there(small_run):
 
 
 def test_token_ids_beyond_the_vocabulary_are_a_data_error(tmp_path):
-    from pretrain.loader import ShardedLoader
-    from pretrain.shards import ShardWriter
+    from pretrain.data.loader import ShardedLoader
+    from pretrain.data.shards import ShardWriter
 
     w = ShardWriter(tmp_path, "train", np.dtype(np.uint16), 1 << 20)
     w.write(np.arange(200, dtype=np.uint16) % 70, [200])  # ids up to 69, "vocab" 65
@@ -287,7 +287,7 @@ def test_run_record_is_json(small_run):
 
 
 def test_preflight_checks_the_resume_checkpoint_and_the_run_dir_lock(small_run, tmp_path, char_dataset):
-    from pretrain import rundir
+    from pretrain.training import rundir
 
     run = tmp_path / "run"
     shutil.copytree(small_run, run)

@@ -3,8 +3,8 @@ from itertools import pairwise
 
 import pytest
 
-from pretrain.config import ScheduleConfig
-from pretrain.schedule import lr_at
+from pretrain.config.tree import ScheduleConfig
+from pretrain.training.schedule import lr_at
 
 
 def test_schedule_key_points():

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from pretrain import checkpoint
+from pretrain.training import checkpoint
 from tests.conftest import BIN, CORPUS, ROOT, SUPERVISED, cli, subprocess_env
 
 

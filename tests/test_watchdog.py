@@ -1,4 +1,4 @@
-"""The hang watchdog (pretrain/watchdog.py) on real runs of `pretrain train`: a rank hung after a
+"""The hang watchdog (pretrain/training/watchdog.py) on real runs of `pretrain train`: a rank hung after a
 step makes every rank write its stacks to <run_dir>/hang/ and the run exit non-zero within the
 timeout + 30 s; supervised (`--max-restarts`), the run restarts from its newest checkpoint and ends
 on the weights of an uninterrupted run; a rank that holds the GIL is caught by the C fallback."""
@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from pretrain.config import validate
+from pretrain.config.tree import validate
 from pretrain.errors import ConfigError
-from pretrain.watchdog import EXIT_CODE
+from pretrain.training.watchdog import EXIT_CODE
 from tests.conftest import BIN, CORPUS, ROOT, SUPERVISED, cli, subprocess_env
 
 TIMEOUT_S = 15  # a step of the tests' model takes well under a second, even on a loaded machine

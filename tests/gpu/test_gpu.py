@@ -38,7 +38,7 @@ def test_nccl_backend_and_local_rank_device(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import os, torch, torch.distributed as dist\n"
-        "from pretrain import engine\n"
+        "from pretrain.training import engine\n"
         "d = engine.launch_env(); engine.init_distributed(d)\n"
         "print('backend', dist.get_backend(), 'device', torch.cuda.current_device(), 'local', d.local_rank)\n"
     )

@@ -15,32 +15,30 @@ from typing import Any
 
 import torch
 
-from pretrain import checkpoint, rundir
-from pretrain import engine as ds_engine
-from pretrain.config import RunConfig
-from pretrain.dataset import TOKENIZER_FILE, Dataset, datasets_sha256, open_datasets, resolve_vocab
-from pretrain.ds_config import check_with_deepspeed, render_deepspeed
-from pretrain.engine import Dist
+from pretrain.cluster.hardware import cpu_native_bf16, device_peak_tflops
+from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
+from pretrain.config.tree import RunConfig, analytic_num_params
+from pretrain.data.dataset import TOKENIZER_FILE, Dataset, datasets_sha256, open_datasets, resolve_vocab
+from pretrain.data.loader import ShardedLoader
+from pretrain.data.tokenizer import Tokenizer, load_tokenizer
 from pretrain.errors import CheckpointError, OutputError
-from pretrain.evaluate import evaluate, sample
-from pretrain.guards import Agreement, Faults, StopOnSignal, control_group, gather, start_agreement
-from pretrain.loader import ShardedLoader
-from pretrain.metrics import (
+from pretrain.training import checkpoint, rundir
+from pretrain.training import engine as ds_engine
+from pretrain.training.engine import Dist
+from pretrain.training.evaluate import evaluate, sample
+from pretrain.training.guards import Agreement, Faults, StopOnSignal, control_group, gather, start_agreement
+from pretrain.training.metrics import (
     MetricsLog,
     PhaseTimer,
     available_monitors,
-    cpu_native_bf16,
-    device_peak_tflops,
     gather_interval,
     quiet_monitor,
     seconds_since_process_start,
     start_wandb,
     summarize,
 )
-from pretrain.model import analytic_num_params
-from pretrain.schedule import lr_at
-from pretrain.tokenizer import Tokenizer, load_tokenizer
-from pretrain.watchdog import Watchdog
+from pretrain.training.schedule import lr_at
+from pretrain.training.watchdog import Watchdog
 
 
 @dataclass

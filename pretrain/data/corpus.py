@@ -38,7 +38,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from pretrain.config import CleanConfig
+from pretrain.config.tree import CleanConfig
 from pretrain.errors import DataError, require
 from pretrain.files import AtomicFile
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import DataConfig, RunConfig
+from pretrain.config.tree import DataConfig, RunConfig
 from pretrain.errors import ConfigError, DataError
-from pretrain.shards import read_header
-from pretrain.tokenizer import GPT2_VOCAB_SIZE
+from pretrain.data.shards import read_header
+from pretrain.data.tokenizer import GPT2_VOCAB_SIZE
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from pretrain.config import WatchdogConfig
+from pretrain.config.tree import WatchdogConfig
 from pretrain.files import AtomicFile
 
 EXIT_CODE = 124  # as timeout(1); any non-zero exit is a failure the supervisor restarts

@@ -1,6 +1,6 @@
 """What `pretrain preflight` runs on each host: standard library only, sent over ssh on stdin.
 
-    ssh HOST 'cd REPO && PYTHON - MODE JSON' < pretrain/probe.py
+    ssh HOST 'cd REPO && PYTHON - MODE JSON' < pretrain/cluster/probe.py
 
 It must run under any interpreter a host may have, even one without torch, so that preflight can
 report a broken environment instead of crashing in it. Two modes:

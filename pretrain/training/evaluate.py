@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from pretrain.loader import ShardedLoader
+from pretrain.data.loader import ShardedLoader
 
 
 @torch.no_grad()

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from pretrain.errors import DataError
-from pretrain.shards import open_shard
+from pretrain.data.shards import open_shard
 
 BLOCK = 1 << 16  # positions per blend block and per cached permutation block
 _ROUNDS = 6

@@ -14,9 +14,8 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import RunConfig, deep_merge, load_file, parse_override, validate
-from pretrain.ds_config import recorded_run, tree_from_deepspeed
-from pretrain.ds_import import deepspeed_problems
+from pretrain.config.ds_read import deepspeed_problems, recorded_run, tree_from_deepspeed
+from pretrain.config.tree import RunConfig, deep_merge, load_file, parse_override, validate
 from pretrain.errors import ConfigError
 
 _GPT2_DATA = {"tokenizer": "gpt2"}

@@ -52,11 +52,18 @@ from typing import Any
 
 import torch
 
-from pretrain.config import ModelConfig, RunConfig, load_file, validate
-from pretrain.ds_config import render_deepspeed
+from pretrain.cluster.hardware import GPU_PEAK_TFLOPS, device_peak_tflops, gpu_peak_tflops
+from pretrain.config.ds_render import render_deepspeed
+from pretrain.config.tree import (
+    ModelConfig,
+    RunConfig,
+    analytic_flops_per_token,
+    analytic_num_params,
+    load_file,
+    validate,
+)
 from pretrain.errors import ConfigError, DataError
-from pretrain.metrics import GPU_PEAK_TFLOPS, cpu_peak_tflops, gpu_peak_tflops, read_csv
-from pretrain.model import analytic_flops_per_token, analytic_num_params
+from pretrain.files import read_csv
 
 GB = 1e9
 # (stage, offload_optimizer, offload_param): every stage, with and without offload.
@@ -320,23 +327,21 @@ def resolve_rates(
 
 
 def _local_peak(cfg: RunConfig, ranks_per_node: int) -> tuple[float, str]:
-    """This machine's device peak for one of `ranks_per_node` ranks (they share a CPU's cores)."""
+    """This machine's device peak for one of `ranks_per_node` ranks (they share a CPU's cores):
+    the same resolver as the MFU that `train` logs, so both read one number for one machine."""
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
-        peak = gpu_peak_tflops(name, cfg.precision.name)
-        if peak is None:
-            raise ConfigError(
-                [f"{name}: unknown peak; pass --peak-tflops or set logging.peak_tflops"], "plan"
-            )
-        return peak, f"{name} datasheet"
-    threads = torch.get_num_threads()
-    share = max(1, (os.cpu_count() or 1) // ranks_per_node)
-    torch.set_num_threads(share)
-    try:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.name, torch.float32)
-        return cpu_peak_tflops(dtype), f"CPU matmul probe, {share} threads a rank"
-    finally:
-        torch.set_num_threads(threads)
+        peak, source = device_peak_tflops(torch.device("cuda", 0), cfg.precision.name)
+    else:
+        threads = torch.get_num_threads()
+        share = max(1, (os.cpu_count() or 1) // ranks_per_node)
+        torch.set_num_threads(share)
+        try:
+            peak, source = device_peak_tflops(torch.device("cpu"), cfg.precision.name)
+        finally:
+            torch.set_num_threads(threads)
+    if peak is None:
+        raise ConfigError([f"{source}; or pass --peak-tflops"], "plan")
+    return peak, source
 
 
 def _busbw(cfg: RunConfig, world: int, kind: str, multinode: bool, given: float | None) -> tuple[float, str]:
@@ -509,7 +514,7 @@ def render_plan(cfg: RunConfig, to: Target, rates: Rates | None = None) -> str:
         "",
         f"Memory per rank in GB, world size {world}; device memory {_gb(device_gb)} GB ({to.device_src}); "
         f"host memory {_gb(to.host_gb)} GB a node.",
-        "Model states by the ZeRO paper (see `pretrain/plan.py`); DeepSpeed's estimate assumes 16-bit "
+        "Model states by the ZeRO paper (see `pretrain/cluster/plan.py`); DeepSpeed's estimate assumes 16-bit "
         "training (2 + 18 bytes/param), gives host memory per node, and does not model stage 0.",
     ]
     header = (

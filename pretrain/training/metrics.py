@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import csv
 import importlib.util
-import json
 import math
 import os
-import platform
 import resource
 import secrets
 import sys
@@ -64,162 +62,6 @@ RANK_FIELDS = [
 START_FIELDS = ["step", "world_size", "time"]
 
 PHASES = ("data", "fwd_bwd", "optimizer")
-
-# ---------------------------------------------------------------------------------------------
-# Device peak FLOP/s, the denominator of MFU
-
-# Dense (no sparsity) tensor-core peaks per GPU from the vendors' datasheets, in TFLOP/s.
-# fp32 is the plain fp32 rate; with TF32 matmuls allowed the tf32 rate applies.
-GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},  # SXM
-    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
-}
-
-
-def gpu_peak_tflops(device_name: str, precision: str, tf32: bool = False) -> float | None:
-    """The table's peak for a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3'), or None if unknown."""
-    kind = "tf32" if precision == "fp32" and tf32 else precision
-    for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):  # 'H100 PCIe' before 'H100'
-        if all(part in device_name for part in key.split()):
-            return GPU_PEAK_TFLOPS[key][kind]
-    return None
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("PRETRAIN_CACHE_DIR", Path.home() / ".cache" / "pretrain"))
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_peak_tflops(dtype: torch.dtype = torch.float32, probe_s: float = 0.3) -> float:
-    """This process's matmul rate on the CPU (its torch thread count), measured once and cached.
-
-    A square GEMM of a fixed size (1024 in fp32, 512 in 16-bit types, which most CPUs run far
-    slower) is timed repeatedly for `probe_s` seconds, at least 3 times; the best rate is the peak,
-    the least disturbed by other load. The cache is keyed by CPU model, thread count, dtype and
-    torch version; delete the file to probe again. On a loaded machine the probe reads low: MFU
-    takes the larger of it and `cpu_fma_peak_tflops` (see `device_peak_tflops`).
-    """
-    threads = torch.get_num_threads()
-    key = f"{_cpu_name()} | {threads} threads | {dtype} | torch {torch.__version__}"
-    path = _cache_dir() / "cpu_peak_flops.json"
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if key in cache:
-        return float(cache[key])
-    n = 1024 if dtype == torch.float32 else 512
-    # Its own generator: drawing from the global one would shift the dropout masks of the run
-    # that probes (the first on a machine) against every later, cached one.
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
-    tflops = gemm_tflops(a, b, probe_s)
-    cache[key] = tflops
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(cache, indent=1) + "\n")  # ranks of other runs may read it meanwhile
-    return tflops
-
-
-def gemm_tflops(a: torch.Tensor, b: torch.Tensor, seconds: float, windows: int = 5) -> float:
-    """The best rate of `a @ b` over `windows` windows of `seconds / windows` each (at least 3 GEMMs
-    a window), with a pause between windows: the best window is the least disturbed by other load."""
-    n, k, m = a.shape[0], a.shape[1], b.shape[1]
-    torch.mm(a, b)  # warm up
-    rate = 0.0
-    for w in range(windows):
-        if w:
-            time.sleep(min(0.05, seconds / windows))  # let a burst of other load pass
-        deadline, reps = time.perf_counter() + seconds / windows, 0
-        while reps < 3 or time.perf_counter() < deadline:
-            t = time.perf_counter()
-            torch.mm(a, b)
-            rate = max(rate, 2 * n * k * m / (time.perf_counter() - t))
-            reps += 1
-    return rate / 1e12
-
-
-def _cpu_flags_and_mhz(cpuinfo: str | None) -> tuple[set[str], float]:
-    """The first CPU's flags and clock in /proc/cpuinfo (or the text given); empty and 0 if unread."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set(), 0.0
-    flags: set[str] = set()
-    mhz = 0.0
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags" and not flags:
-            flags = set(value.split())
-        elif key.strip() == "cpu MHz" and not mhz:
-            mhz = float(value) if value.strip().replace(".", "", 1).isdigit() else 0.0
-    return flags, mhz
-
-
-def cpu_native_bf16(cpuinfo: str | None = None) -> str | None:
-    """The CPU's bf16 matrix instructions (`amx_bf16`, `avx512_bf16`), which oneDNN uses for bf16
-    matmuls at two or more times the fp32 rate; None if it has neither (or /proc/cpuinfo says not)."""
-    flags, _ = _cpu_flags_and_mhz(cpuinfo)
-    return next((f for f in ("amx_bf16", "avx512_bf16") if f in flags), None)
-
-
-def cpu_fma_peak_tflops(
-    threads: int, cpuinfo: str | None = None, dtype: torch.dtype = torch.float32
-) -> float | None:
-    """The CPU's theoretical peak in `dtype`: cores x clock x FLOPs a cycle, from the flags.
-
-    fp32: two FMA units of the widest vector width listed (AVX-512: 16 lanes, AVX2 + FMA: 8).
-    bf16: AMX tiles (`amx_bf16`: 1024 multiply-adds a cycle), else AVX-512 BF16 dot products
-    (`avx512_bf16`: two bf16 products per fp32 lane, twice fp32), else the fp32 peak (the CPU
-    computes bf16 in fp32). fp16 the same with `amx_fp16` and `avx512_fp16`. An upper bound (some
-    cores have one FMA unit, or split AVX-512), so MFU against it never reads above 100%, however
-    loaded the machine. None if /proc/cpuinfo does not say."""
-    flags, mhz = _cpu_flags_and_mhz(cpuinfo)
-    lanes = 16 if "avx512f" in flags else 8 if {"avx2", "fma"} <= flags else 4 if "sse2" in flags else 0
-    if not (lanes and mhz > 0):
-        return None
-    per_cycle = 2 * 2 * lanes  # 2 units x (multiply + add) x lanes
-    half = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
-    if dtype in half:
-        amx, avx512 = half[dtype]
-        if amx in flags and "amx_tile" in flags:
-            per_cycle = 2 * 1024  # one AMX unit: 1024 multiply-adds a cycle
-        elif avx512 in flags:
-            per_cycle *= 2
-    cores = min(threads, os.cpu_count() or threads)
-    return cores * mhz * 1e6 * per_cycle / 1e12
-
-
-def device_peak_tflops(
-    device: torch.device, precision: str, override: float | None = None
-) -> tuple[float | None, str]:
-    """Peak TFLOP/s of one rank's device for MFU, and where the number came from."""
-    if override is not None:
-        return override, "logging.peak_tflops"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = gpu_peak_tflops(name, precision, tf32=torch.backends.cuda.matmul.allow_tf32)
-        return peak, (f"{name} datasheet" if peak else f"{name}: unknown peak, set logging.peak_tflops")
-    if device.type == "cpu":
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-        threads = torch.get_num_threads()
-        probed = cpu_peak_tflops(dtype)
-        fma = cpu_fma_peak_tflops(threads, dtype=dtype)
-        if fma is not None and fma >= probed:
-            return fma, f"CPU {precision} FMA peak, {threads} threads (matmul probe: {probed:.3g})"
-        return probed, f"CPU matmul probe, {threads} threads"
-    return None, f"{device.type}: unknown peak, set logging.peak_tflops"
 
 
 def seconds_since_process_start() -> float | None:
@@ -629,15 +471,6 @@ def _open_csv(path: Path, fields: list[str]) -> tuple[IO[str], csv.DictWriter[st
     if new:
         writer.writeheader()
     return file, writer
-
-
-def read_csv(path: Path) -> list[dict[str, float | None]]:
-    """metrics.csv back as numbers (empty cells are None)."""
-    with path.open(newline="") as f:
-        return [
-            {k: (float(v) if v not in ("", None) else None) for k, v in row.items()}
-            for row in csv.DictReader(f)
-        ]
 
 
 def _fmt(v: Any) -> Any:

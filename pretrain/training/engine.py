@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from pretrain.config import RunConfig
+from pretrain.cluster.launch import MPI_LAUNCHER_VARS
+from pretrain.config.tree import RunConfig
 from pretrain.errors import ConfigError, require
-from pretrain.launch import MPI_LAUNCHER_VARS
-from pretrain.model import GPT
+from pretrain.training.model import GPT
 
 
 @dataclass(frozen=True)

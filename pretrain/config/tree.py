@@ -11,13 +11,19 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
+from pretrain.config.ds_keys import (
+    MODELED_DEEPSPEED_KEYS,
+    PARTLY_MODELED,
+    ZERO_AUTO,
+    auto_paths,
+    unknown_deepspeed_keys,
+)
 from pretrain.errors import ConfigError, did_you_mean
 
 
@@ -133,6 +139,52 @@ class ModelConfig(Section):
         if self.arch == "llama" and self.position != "rope":
             problems.append("arch llama uses rotary positions: set model.position=rope (or leave it unset)")
         return problems
+
+
+def required_vocab_size(cfg: ModelConfig) -> int:
+    """The model's vocabulary size, which the tokenizer sets before a model is built."""
+    if cfg.vocab_size is None:
+        raise ValueError(
+            "model.vocab_size is None: set it to the tokenizer's vocabulary size (or larger) before "
+            "building the model"
+        )
+    return cfg.vocab_size
+
+
+def analytic_num_params(cfg: ModelConfig) -> int:
+    """The parameter count of GPT(cfg) in closed form (a tied lm_head counted once, with wte)."""
+    V, T, d, L, f = required_vocab_size(cfg), cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.ffn_hidden
+    kv = cfg.kv_heads * cfg.head_size  # the width of the keys, and of the values
+    b = 1 if cfg.bias else 0  # each bias vector exists only with cfg.bias
+    norm = d + b * d  # weight (+ bias)
+    attention = (d * (d + 2 * kv) + b * (d + 2 * kv)) + (d * d + b * d)  # c_attn (qkv) + c_proj
+    n_in = 2 if cfg.arch == "llama" else 1  # SwiGLU's gate and up projections
+    mlp = n_in * (d * f + b * f) + (f * d + b * d)  # c_fc + c_proj
+    block = 2 * norm + attention + mlp  # gpt2: 12 d^2 + 13 d with bias, 12 d^2 + 2 d without
+    return (
+        V * d * (1 if cfg.tie_embeddings else 2)  # wte (and lm_head's own weight when untied)
+        + (T * d if cfg.position == "learned" else 0)  # wpe; RoPE has no parameters
+        + L * block  # transformer blocks
+        + norm  # ln_f
+    )
+
+
+def analytic_flops_per_token(cfg: ModelConfig) -> int:
+    """Training FLOPs (forward + backward) per token, in the PaLM convention (appendix B), as
+    nanoGPT's estimate_mfu uses it: 6*N + 12*L*n_head*head_dim*T.
+
+    N is every parameter that is a matmul weight or norm: each costs a multiply and an add forward
+    and twice that backward. A tied wte weight stays in N as the lm_head matmul; untied, wte is a
+    lookup (free) and lm_head counts; wpe is a lookup too. The second term is the attention scores
+    and their weighted sum over the full T x T matrix, causal mask ignored (grouped-query attention
+    shares k/v heads but every query head still attends). Computed from the config, not the
+    parameters, so it holds wherever the parameters live.
+    """
+    lookups = cfg.block_size * cfg.n_embd if cfg.position == "learned" else 0
+    if not cfg.tie_embeddings:
+        lookups += required_vocab_size(cfg) * cfg.n_embd
+    n = analytic_num_params(cfg) - lookups
+    return 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_size * cfg.block_size
 
 
 class CleanConfig(Section):
@@ -794,122 +846,3 @@ def _fields_at(loc: tuple[int | str, ...]) -> list[str]:
 
 def to_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-
-
-# ---------------------------------------------------------------------------------------------
-# The DeepSpeed keys `deepspeed_extra` may hold
-
-# Top-level keys of DeepSpeed's config that this tree writes itself (ds_config.py renders them).
-MODELED_DEEPSPEED_KEYS = {
-    "train_batch_size",
-    "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
-    "optimizer",
-    "gradient_clipping",
-    "bf16",
-    "fp16",
-    "zero_optimization",
-    "steps_per_print",
-    "wall_clock_breakdown",
-    "tensorboard",
-    "csv_monitor",
-    "wandb",
-    "compile",  # DeepSpeed's DeepCompile switches: the tree's `compile` section (ds_config.py reads them)
-}
-
-# Every other top-level key DeepSpeed's config parser reads (deepspeed/runtime/config.py and the
-# sub-configs it loads). A test checks each is still a string constant in DeepSpeed's sources.
-DEEPSPEED_PASSTHROUGH_KEYS = {
-    "scheduler",
-    "prescale_gradients",
-    "gradient_predivide_factor",
-    "sparse_gradients",
-    "communication_data_type",
-    "seq_parallel_communication_data_type",
-    "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer",
-    "amp",
-    "torch_autocast",
-    "graph_harvesting",
-    "disable_allgather",
-    "dump_state",
-    "memory_breakdown",
-    "sparse_attention",
-    "activation_checkpointing",
-    "flops_profiler",
-    "comms_logger",
-    "comet",
-    "aio",
-    "checkpoint",
-    "data_types",
-    "elasticity",
-    "autotuning",
-    "pipeline",
-    "progressive_layer_drop",
-    "curriculum_learning",
-    "data_efficiency",
-    "compression_training",
-    "eigenvalue",
-    "quantize_training",
-    "nebula",
-    "dataloader_drop_last",
-    "use_data_before_expert_parallelism",
-    "timers",
-    "weight_quantization",
-    "hybrid_engine",
-    "tensor_parallel",
-    "use_node_local_storage",
-}
-
-
-def unknown_deepspeed_keys(extra: dict[str, Any]) -> list[str]:
-    known = DEEPSPEED_PASSTHROUGH_KEYS | MODELED_DEEPSPEED_KEYS
-    return [
-        f"'{key}' is not a DeepSpeed config key{did_you_mean(key, known)}"
-        for key in extra
-        if key not in known
-    ]
-
-
-# zero_optimization keys the `zero` section models: DeepSpeed's name -> the section's field.
-ZERO_KEYS = {
-    "stage": "stage",
-    "overlap_comm": "overlap_comm",
-    "contiguous_gradients": "contiguous_gradients",
-    "reduce_bucket_size": "reduce_bucket_size",
-    "allgather_bucket_size": "allgather_bucket_size",
-}
-
-# fp16 keys the `precision` section models (loss_scale is always 0, dynamic): DeepSpeed's name -> field.
-FP16_KEYS = {
-    "enabled": "fp16",
-    "initial_scale_power": "initial_scale_power",
-    "loss_scale_window": "loss_scale_window",
-    "hysteresis": "hysteresis",
-    "min_loss_scale": "min_loss_scale",
-}
-
-# Modeled sections whose other knobs may pass through in `deepspeed_extra`: section -> modeled keys.
-PARTLY_MODELED = {
-    "zero_optimization": set(ZERO_KEYS),
-    "fp16": set(FP16_KEYS) | {"loss_scale"},
-    "bf16": {"enabled"},
-}
-
-# Unmodeled zero_optimization knobs that "auto" sizes from the model width (n_embd) when the JSON is
-# rendered, with the Hugging Face Trainer's formulas. ("auto" in a modeled key keeps the tree's value.)
-ZERO_AUTO: dict[str, Callable[[int], int]] = {
-    "stage3_prefetch_bucket_size": lambda hidden: int(0.9 * hidden * hidden),
-    "stage3_param_persistence_threshold": lambda hidden: 10 * hidden,
-}
-
-
-def auto_paths(node: Any, prefix: str = "") -> list[str]:
-    """The dotted paths under `node` whose value is the string "auto"."""
-    if node == "auto":
-        return [prefix]
-    if isinstance(node, dict):
-        return [p for k, v in node.items() for p in auto_paths(v, f"{prefix}.{k}" if prefix else str(k))]
-    if isinstance(node, list):
-        return [p for i, v in enumerate(node) for p in auto_paths(v, f"{prefix}.{i}")]
-    return []

@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import RunConfig, to_yaml
+from pretrain.config.tree import RunConfig, to_yaml
 from pretrain.errors import OutputError
 from pretrain.files import write_atomic
 
@@ -41,7 +41,7 @@ def package_versions() -> dict[str, str]:
 
 def code_version() -> dict[str, Any]:
     """The git commit of this source tree, and whether it had uncommitted changes."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # pretrain/training/rundir.py -> the source tree
 
     def git(*args: str) -> str | None:
         try:

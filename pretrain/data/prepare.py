@@ -35,8 +35,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from pretrain.config import CleanConfig, DataConfig
-from pretrain.corpus import (
+from pretrain.config.tree import CleanConfig, DataConfig
+from pretrain.data.corpus import (
     DOWNLOADS,
     Chunk,
     Cleaner,
@@ -49,12 +49,12 @@ from pretrain.corpus import (
     read_chunk,
     shingle_hashes,
 )
-from pretrain.dataset import MANIFEST, MANIFEST_VERSION, SPLITS, TOKENIZER_FILE, load_manifest, open_datasets
-from pretrain.dedup import NEAR_DEDUP, ExactDedup, MinHasher, NearDedup, exact_hash
+from pretrain.data.dataset import MANIFEST, MANIFEST_VERSION, SPLITS, TOKENIZER_FILE, load_manifest, open_datasets
+from pretrain.data.dedup import NEAR_DEDUP, ExactDedup, MinHasher, NearDedup, exact_hash
 from pretrain.errors import DataError, require
 from pretrain.files import format_bytes, replace_dir, write_atomic
-from pretrain.shards import ShardInfo, ShardWriter, dtype_for_vocab
-from pretrain.tokenizer import (
+from pretrain.data.shards import ShardInfo, ShardWriter, dtype_for_vocab
+from pretrain.data.tokenizer import (
     BPE_RANKS_FILE,
     BPETokenizer,
     CharTokenizer,

@@ -26,16 +26,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.config import ModelConfig
-
-
-def _vocab_size(cfg: ModelConfig) -> int:
-    if cfg.vocab_size is None:
-        raise ValueError(
-            "model.vocab_size is None: set it to the tokenizer's vocabulary size (or larger) before "
-            "building the model"
-        )
-    return cfg.vocab_size
+from pretrain.config.tree import ModelConfig, analytic_flops_per_token, required_vocab_size
 
 
 def rope_cache(block_size: int, head_size: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -140,7 +131,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        vocab_size = _vocab_size(cfg)
+        vocab_size = required_vocab_size(cfg)
         self.wte = nn.Embedding(vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
@@ -258,39 +249,3 @@ class GPT(nn.Module):
             idx_next = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
-
-
-def analytic_num_params(cfg: ModelConfig) -> int:
-    """The parameter count of GPT(cfg) in closed form (a tied lm_head counted once, with wte)."""
-    V, T, d, L, f = _vocab_size(cfg), cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.ffn_hidden
-    kv = cfg.kv_heads * cfg.head_size  # the width of the keys, and of the values
-    b = 1 if cfg.bias else 0  # each bias vector exists only with cfg.bias
-    norm = d + b * d  # weight (+ bias)
-    attention = (d * (d + 2 * kv) + b * (d + 2 * kv)) + (d * d + b * d)  # c_attn (qkv) + c_proj
-    n_in = 2 if cfg.arch == "llama" else 1  # SwiGLU's gate and up projections
-    mlp = n_in * (d * f + b * f) + (f * d + b * d)  # c_fc + c_proj
-    block = 2 * norm + attention + mlp  # gpt2: 12 d^2 + 13 d with bias, 12 d^2 + 2 d without
-    return (
-        V * d * (1 if cfg.tie_embeddings else 2)  # wte (and lm_head's own weight when untied)
-        + (T * d if cfg.position == "learned" else 0)  # wpe; RoPE has no parameters
-        + L * block  # transformer blocks
-        + norm  # ln_f
-    )
-
-
-def analytic_flops_per_token(cfg: ModelConfig) -> int:
-    """Training FLOPs (forward + backward) per token, in the PaLM convention (appendix B), as
-    nanoGPT's estimate_mfu uses it: 6*N + 12*L*n_head*head_dim*T.
-
-    N is every parameter that is a matmul weight or norm: each costs a multiply and an add forward
-    and twice that backward. A tied wte weight stays in N as the lm_head matmul; untied, wte is a
-    lookup (free) and lm_head counts; wpe is a lookup too. The second term is the attention scores
-    and their weighted sum over the full T x T matrix, causal mask ignored (grouped-query attention
-    shares k/v heads but every query head still attends). Computed from the config, not the
-    parameters, so it holds wherever the parameters live.
-    """
-    lookups = cfg.block_size * cfg.n_embd if cfg.position == "learned" else 0
-    if not cfg.tie_embeddings:
-        lookups += _vocab_size(cfg) * cfg.n_embd
-    n = analytic_num_params(cfg) - lookups
-    return 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_size * cfg.block_size

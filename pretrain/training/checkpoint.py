@@ -34,14 +34,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from pretrain.config import CheckpointConfig, RunConfig
-from pretrain.dataset import TOKENIZER_FILE, Dataset, datasets_sha256
+from pretrain.config.tree import CheckpointConfig, RunConfig, analytic_num_params
+from pretrain.data.dataset import TOKENIZER_FILE, Dataset, datasets_sha256
+from pretrain.data.tokenizer import BPE_RANKS_FILE
 from pretrain.errors import CheckpointError, DataError
 from pretrain.files import format_bytes as _size
 from pretrain.files import fsync_dir, replace_dir, write_atomic
-from pretrain.guards import Faults, barrier, gather, world_of
-from pretrain.model import analytic_num_params
-from pretrain.tokenizer import BPE_RANKS_FILE
+from pretrain.training.guards import Faults, barrier, gather, world_of
 
 META = "pretrain_meta.json"
 TOKENIZER = TOKENIZER_FILE  # a copy of the dataset's, so that a checkpoint samples on its own
@@ -630,8 +629,8 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], 
 def schedule_changes(ckpt: Checkpoint, cfg: RunConfig) -> list[str]:
     """What a resume changes in the LR schedule (schedule.*, optimizer.lr), with the LR jump it
     makes at the step it continues from: the cosine re-stretched, or a new peak."""
-    from pretrain.config import ScheduleConfig
-    from pretrain.schedule import lr_at
+    from pretrain.config.tree import ScheduleConfig
+    from pretrain.training.schedule import lr_at
 
     saved = ckpt.meta.get("config", {})
     now_sched, now_lr = cfg.schedule.model_dump(mode="json"), cfg.optimizer.lr

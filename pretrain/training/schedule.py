@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from pretrain.config import ScheduleConfig
+from pretrain.config.tree import ScheduleConfig
 
 
 def lr_at(step: int, peak: float, cfg: ScheduleConfig) -> float:

@@ -20,7 +20,7 @@ import os
 import re
 from pathlib import Path
 
-from pretrain.config import LaunchConfig
+from pretrain.config.tree import LaunchConfig
 from pretrain.errors import HostfileError
 
 # DeepSpeed's own pattern, applied with re.search to the stripped line.

@@ -1,0 +1,135 @@
+"""The DeepSpeed config's keys, as this project knows them: those the tree renders itself, those it
+passes through in `deepspeed_extra`, and the sections it models in part. `ds_render` writes with
+them and `ds_read` reads with them; a test checks them against DeepSpeed's sources.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pretrain.errors import did_you_mean
+
+AUTO = "auto"  # the Hugging Face Trainer's placeholder: here, "the tree's value"
+RECORD = "pretrain"  # the top-level key of a rendered JSON that records what it was rendered for
+
+# DeepSpeed's monitors (deepspeed/monitor/config.py) that the tree models, in `logging`. Those with
+# files write under the run dir, each in its own subdirectory (DeepSpeed's `job_name`).
+MONITORS = ("tensorboard", "csv_monitor", "wandb")
+MONITOR_DIRS = {"tensorboard": "tensorboard", "csv_monitor": "csv_monitor"}
+
+
+# Top-level keys of DeepSpeed's config that this tree writes itself (ds_render renders them).
+MODELED_DEEPSPEED_KEYS = {
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "optimizer",
+    "gradient_clipping",
+    "bf16",
+    "fp16",
+    "zero_optimization",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "tensorboard",
+    "csv_monitor",
+    "wandb",
+    "compile",  # DeepSpeed's DeepCompile switches: the tree's `compile` section (ds_read reads them)
+}
+
+# Every other top-level key DeepSpeed's config parser reads (deepspeed/runtime/config.py and the
+# sub-configs it loads). A test checks each is still a string constant in DeepSpeed's sources.
+DEEPSPEED_PASSTHROUGH_KEYS = {
+    "scheduler",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "sparse_gradients",
+    "communication_data_type",
+    "seq_parallel_communication_data_type",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "amp",
+    "torch_autocast",
+    "graph_harvesting",
+    "disable_allgather",
+    "dump_state",
+    "memory_breakdown",
+    "sparse_attention",
+    "activation_checkpointing",
+    "flops_profiler",
+    "comms_logger",
+    "comet",
+    "aio",
+    "checkpoint",
+    "data_types",
+    "elasticity",
+    "autotuning",
+    "pipeline",
+    "progressive_layer_drop",
+    "curriculum_learning",
+    "data_efficiency",
+    "compression_training",
+    "eigenvalue",
+    "quantize_training",
+    "nebula",
+    "dataloader_drop_last",
+    "use_data_before_expert_parallelism",
+    "timers",
+    "weight_quantization",
+    "hybrid_engine",
+    "tensor_parallel",
+    "use_node_local_storage",
+}
+
+
+def unknown_deepspeed_keys(extra: dict[str, Any]) -> list[str]:
+    known = DEEPSPEED_PASSTHROUGH_KEYS | MODELED_DEEPSPEED_KEYS
+    return [
+        f"'{key}' is not a DeepSpeed config key{did_you_mean(key, known)}"
+        for key in extra
+        if key not in known
+    ]
+
+
+# zero_optimization keys the `zero` section models: DeepSpeed's name -> the section's field.
+ZERO_KEYS = {
+    "stage": "stage",
+    "overlap_comm": "overlap_comm",
+    "contiguous_gradients": "contiguous_gradients",
+    "reduce_bucket_size": "reduce_bucket_size",
+    "allgather_bucket_size": "allgather_bucket_size",
+}
+
+# fp16 keys the `precision` section models (loss_scale is always 0, dynamic): DeepSpeed's name -> field.
+FP16_KEYS = {
+    "enabled": "fp16",
+    "initial_scale_power": "initial_scale_power",
+    "loss_scale_window": "loss_scale_window",
+    "hysteresis": "hysteresis",
+    "min_loss_scale": "min_loss_scale",
+}
+
+# Modeled sections whose other knobs may pass through in `deepspeed_extra`: section -> modeled keys.
+PARTLY_MODELED = {
+    "zero_optimization": set(ZERO_KEYS),
+    "fp16": set(FP16_KEYS) | {"loss_scale"},
+    "bf16": {"enabled"},
+}
+
+# Unmodeled zero_optimization knobs that "auto" sizes from the model width (n_embd) when the JSON is
+# rendered, with the Hugging Face Trainer's formulas. ("auto" in a modeled key keeps the tree's value.)
+ZERO_AUTO: dict[str, Callable[[int], int]] = {
+    "stage3_prefetch_bucket_size": lambda hidden: int(0.9 * hidden * hidden),
+    "stage3_param_persistence_threshold": lambda hidden: 10 * hidden,
+}
+
+
+def auto_paths(node: Any, prefix: str = "") -> list[str]:
+    """The dotted paths under `node` whose value is the string "auto"."""
+    if node == "auto":
+        return [prefix]
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in auto_paths(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in auto_paths(v, f"{prefix}.{i}")]
+    return []
