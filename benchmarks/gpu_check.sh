@@ -5,8 +5,8 @@
 #   benchmarks/gpu_check.sh [extra pretrain train args...]
 #   STEPS=50 MICRO=16 benchmarks/gpu_check.sh --set model.activation_checkpointing=true
 #
-#   CORPUS     text to train on (default: ../shared/data/tinyshakespeare.txt, else the embedded corpus)
-#   TOKENIZER  GPT-2 ranks file for offline use (default: ../shared/data/tokenizers/gpt2.tiktoken if present)
+#   CORPUS     text to train on (default: tests/data/tinyshakespeare.txt, else the embedded corpus)
+#   TOKENIZER  GPT-2 ranks file for offline use (default: tests/data/tokenizers/gpt2.tiktoken if present)
 #   WORK       where data and the run go (default: a temporary directory, removed at the end)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,7 @@ python=${PYTHON:-$PWD/.venv/bin/python}
     || { echo "gpu_check: no CUDA GPU visible to $python" >&2; exit 2; }
 steps=${STEPS:-50}
 micro=${MICRO:-16}
-shared=$PWD/../shared/data
+shared=$PWD/tests/data
 corpus=${CORPUS:-$shared/tinyshakespeare.txt}
 [ -f "$corpus" ] || corpus=shakespeare
 tok=${TOKENIZER:-$shared/tokenizers/gpt2.tiktoken}

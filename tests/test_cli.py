@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, TINY_SHAKESPEARE, require_shared_data, subprocess_env
+from tests.conftest import ROOT, TINY_SHAKESPEARE, subprocess_env
 
 BIN = Path(sys.executable).parent
 
@@ -35,7 +35,6 @@ def steps_logged(run_dir: Path) -> list[int]:
 
 @pytest.mark.distributed
 def test_prepare_train_resume(tmp_path):
-    require_shared_data()
     data = [f"--set=data.corpus={TINY_SHAKESPEARE}", f"--set=data.dataset_dir={tmp_path / 'data'}"]
     run_dir = tmp_path / "run"
     out = run([str(BIN / "pretrain"), "prepare", *data], tmp_path)
@@ -74,7 +73,6 @@ def test_prepare_train_resume(tmp_path):
 @pytest.mark.distributed
 def test_deepspeed_launcher_two_ranks_with_a_ds_config(tmp_path):
     """`deepspeed pretrain/main.py --ds ds_configs/zero2_offload.json`, with the launcher's --local_rank."""
-    require_shared_data()
     run_dir = tmp_path / "run"
     cmd = [
         str(BIN / "deepspeed"), "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", "29533",

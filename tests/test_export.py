@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import CORPUS, TINY_SHAKESPEARE, ckpt, cli, require_shared_data
+from tests.conftest import CORPUS, TINY_SHAKESPEARE, ckpt, cli
 
 
 @pytest.mark.distributed
@@ -67,7 +67,6 @@ def test_llama_run_with_a_trained_bpe_exports_to_llama_and_samples(tmp_path):
     """prepare (trained BPE) → train a GQA llama → export → LlamaForCausalLM gives our logits and
     its tokenizer our tokens; sampling works from the export and from the checkpoint."""
     transformers = pytest.importorskip("transformers", reason="transformers is a dev extra")
-    require_shared_data()
     data = [CORPUS, f"--set=data.dataset_dir={tmp_path / 'data'}", "--set=data.tokenizer=bpe",
             "--set=data.bpe_vocab_size=512"]  # fmt: skip
     done = cli("prepare", *data)

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, require_shared_data
+from tests.conftest import ROOT
 
 SEED = 20261203
 CASES_PER_COMMAND = 60
@@ -251,7 +251,6 @@ def _run(argv: list[str]) -> tuple[int, str, BaseException | None]:
 
 @pytest.mark.distributed  # `train` cases import DeepSpeed; a few write datasets
 def test_fuzz_every_command(tmp_path, monkeypatch):
-    require_shared_data()
     from pretrain.cli import parser
 
     (tmp_path / "inputs").mkdir()

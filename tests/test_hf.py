@@ -18,7 +18,7 @@ from pretrain.config.tree import RunConfig
 from pretrain.data.tokenizer import BPETokenizer, CharTokenizer, TiktokenTokenizer, Tokenizer, count_words
 from pretrain.export import hf_architecture, write_hf
 from pretrain.training.model import GPT
-from tests.conftest import GPT2_RANKS, TINY_SHAKESPEARE, require_shared_data
+from tests.conftest import GPT2_RANKS, TINY_SHAKESPEARE
 
 transformers = pytest.importorskip("transformers", reason="transformers is a dev extra")
 
@@ -33,7 +33,6 @@ def texts() -> tuple[str, str]:
 
 @cache
 def tokenizer(kind: str) -> Tokenizer:
-    require_shared_data()
     train, val = texts()
     if kind == "char":
         return CharTokenizer.fit([train + val])

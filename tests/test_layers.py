@@ -107,6 +107,8 @@ def test_no_import_cycle():
     ],
 )
 def test_light_modules_load_no_torch(modules):
-    code = f"import sys; import {modules}; print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))"
+    code = (
+        f"import sys; import {modules}; print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", f"importing {modules} loads {out.strip()}"

@@ -31,7 +31,7 @@ from pretrain.training.metrics import (
     progress_enabled,
     summarize,
 )
-from tests.conftest import TINY_SHAKESPEARE, require_shared_data, subprocess_env
+from tests.conftest import TINY_SHAKESPEARE, subprocess_env
 
 BIN = Path(sys.executable).parent
 
@@ -163,7 +163,6 @@ def test_plot_writes_a_labelled_png(tmp_path):
 def test_train_writes_tensorboard_csv_and_a_plot(tmp_path):
     """`pretrain train` with TensorBoard and csv_monitor on; the events read back with tensorboard's
     EventAccumulator; `pretrain plot` draws the run; the bar shows when forced on."""
-    require_shared_data()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "run"
@@ -278,7 +277,6 @@ def _wandb_records(path: Path) -> list:
 def test_wandb_run_has_the_config_and_name_and_a_resume_continues_it(tmp_path):
     """Two `pretrain train` runs, the second resuming, with W&B on in offline mode: one run id,
     named after the run dir, with the resolved config; DeepSpeed's monitor logs into it."""
-    require_shared_data()
     run_dir = tmp_path / "myrun"
     cmd = [
         str(BIN / "pretrain"), "train", f"--set=data.corpus={TINY_SHAKESPEARE}",

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, TINY_SHAKESPEARE, require_shared_data, subprocess_env
+from tests.conftest import ROOT, TINY_SHAKESPEARE, subprocess_env
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,7 +34,6 @@ def gpu_env() -> dict[str, str]:
 
 
 def test_nccl_backend_and_local_rank_device(tmp_path):
-    require_shared_data()
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import os, torch, torch.distributed as dist\n"
@@ -52,7 +51,6 @@ def test_nccl_backend_and_local_rank_device(tmp_path):
 
 
 def test_bf16_zero2_trains_on_the_gpu(tmp_path):
-    require_shared_data()
     run_dir = tmp_path / "run"
     out = subprocess.run(
         [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", "29592",
@@ -83,7 +81,6 @@ def test_preflight_reports_cuda_nccl_and_bus_bandwidth(tmp_path):
 
 
 def test_gpu_check_benchmark(tmp_path):
-    require_shared_data()
     out = subprocess.run(
         [str(ROOT / "benchmarks" / "gpu_check.sh")],
         cwd=ROOT,
