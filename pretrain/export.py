@@ -155,18 +155,22 @@ def hf_config(m: ModelConfig, dtype: str, tok: Tokenizer | None) -> dict[str, An
         **_special_ids(tok),
     }
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+    # The shape in the names Llama and GPT-NeoX share (GPT-2 has its own, below).
+    shape = {
+        "hidden_size": m.n_embd,
+        "intermediate_size": m.ffn_hidden,
+        "num_hidden_layers": m.n_layer,
+        "num_attention_heads": m.n_head,
+        "max_position_embeddings": m.block_size,
+    }
     if arch == "LlamaForCausalLM":
         return {
             **common,
+            **shape,
             "model_type": "llama",
-            "hidden_size": m.n_embd,
-            "intermediate_size": m.ffn_hidden,
-            "num_hidden_layers": m.n_layer,
-            "num_attention_heads": m.n_head,
             "num_key_value_heads": m.kv_heads,
             "head_dim": m.head_size,
             "hidden_act": "silu",
-            "max_position_embeddings": m.block_size,
             "rms_norm_eps": NORM_EPS,
             "rope_theta": m.rope_theta,  # transformers < 5 reads these two keys
             "rope_scaling": None,
@@ -178,13 +182,9 @@ def hf_config(m: ModelConfig, dtype: str, tok: Tokenizer | None) -> dict[str, An
     if arch == "GPTNeoXForCausalLM":
         return {
             **common,
+            **shape,
             "model_type": "gpt_neox",
-            "hidden_size": m.n_embd,
-            "intermediate_size": m.ffn_hidden,
-            "num_hidden_layers": m.n_layer,
-            "num_attention_heads": m.n_head,
             "hidden_act": "gelu",  # exact erf GELU, as ours
-            "max_position_embeddings": m.block_size,
             "layer_norm_eps": NORM_EPS,
             "use_parallel_residual": False,  # x + attn(ln_1(x)), then + mlp(ln_2(.)), as ours
             "rotary_pct": 1.0,  # transformers < 5 reads these two keys
