@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.config.tree import DataConfig, RunConfig
-from pretrain.errors import ConfigError, DataError
 from pretrain.data.shards import read_header
 from pretrain.data.tokenizer import GPT2_VOCAB_SIZE
+from pretrain.errors import ConfigError, DataError
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2

@@ -49,10 +49,15 @@ from pretrain.data.corpus import (
     read_chunk,
     shingle_hashes,
 )
-from pretrain.data.dataset import MANIFEST, MANIFEST_VERSION, SPLITS, TOKENIZER_FILE, load_manifest, open_datasets
+from pretrain.data.dataset import (
+    MANIFEST,
+    MANIFEST_VERSION,
+    SPLITS,
+    TOKENIZER_FILE,
+    load_manifest,
+    open_datasets,
+)
 from pretrain.data.dedup import NEAR_DEDUP, ExactDedup, MinHasher, NearDedup, exact_hash
-from pretrain.errors import DataError, require
-from pretrain.files import format_bytes, replace_dir, write_atomic
 from pretrain.data.shards import ShardInfo, ShardWriter, dtype_for_vocab
 from pretrain.data.tokenizer import (
     BPE_RANKS_FILE,
@@ -62,6 +67,8 @@ from pretrain.data.tokenizer import (
     Tokenizer,
     count_words,
 )
+from pretrain.errors import DataError, require
+from pretrain.files import format_bytes, replace_dir, write_atomic
 
 # DataConfig fields that do not change what prepare writes (where inputs come from, how many
 # workers, what the loader does): a change in them keeps a prepared dataset valid.
