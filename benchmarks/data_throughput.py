@@ -40,10 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pretrain.config.tree import DataConfig  # noqa: E402
-from pretrain.data.corpus import shakespeare_files  # noqa: E402
 from pretrain.data.dataset import load_manifest  # noqa: E402
 from pretrain.data.prepare import prepare  # noqa: E402
 from pretrain.data.shards import HEADER_SIZE, read_header  # noqa: E402
+from pretrain.data.sources import shakespeare_files  # noqa: E402
 from pretrain.data.tokenizer import TiktokenTokenizer  # noqa: E402
 from pretrain.errors import DataError  # noqa: E402
 

@@ -36,19 +36,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from pretrain.config.tree import CleanConfig, DataConfig
-from pretrain.data.corpus import (
-    DOWNLOADS,
-    Chunk,
-    Cleaner,
-    CleanStats,
-    Document,
-    HFOptions,
-    format_of,
-    iter_input_files,
-    plan_tasks,
-    read_chunk,
-    shingle_hashes,
-)
+from pretrain.data.chunks import Chunk, Document, plan_tasks, read_chunk
+from pretrain.data.clean import Cleaner, CleanStats
 from pretrain.data.dataset import (
     MANIFEST,
     MANIFEST_VERSION,
@@ -57,8 +46,9 @@ from pretrain.data.dataset import (
     load_manifest,
     open_datasets,
 )
-from pretrain.data.dedup import NEAR_DEDUP, ExactDedup, MinHasher, NearDedup, exact_hash
+from pretrain.data.dedup import NEAR_DEDUP, ExactDedup, MinHasher, NearDedup, exact_hash, shingle_hashes
 from pretrain.data.shards import ShardInfo, ShardWriter, dtype_for_vocab
+from pretrain.data.sources import DOWNLOADS, HFOptions, format_of, iter_input_files
 from pretrain.data.tokenizer import (
     BPE_RANKS_FILE,
     BPETokenizer,
@@ -280,7 +270,9 @@ def _worker_count(cfg: DataConfig) -> int:
 
 def _inputs(cfg: DataConfig) -> Iterator[Any]:
     hf = HFOptions(cfg.hf_config, cfg.hf_split, cfg.hf_streaming)
-    return iter_input_files(cfg.corpus, cfg.format, cfg.download_dir, cfg.source, hf)
+    return iter_input_files(
+        cfg.corpus, fmt=cfg.format, download_dir=cfg.download_dir, source=cfg.source, hf=hf
+    )
 
 
 def _tasks(cfg: DataConfig) -> Iterator[list[Chunk]]:
