@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import multiprocessing
 import os
 import shutil
@@ -40,11 +39,11 @@ from pretrain.data.chunks import Chunk, Document, plan_tasks, read_chunk
 from pretrain.data.clean import Cleaner, CleanStats
 from pretrain.data.dataset import (
     MANIFEST,
-    MANIFEST_VERSION,
     SPLITS,
     TOKENIZER_FILE,
     load_manifest,
     open_datasets,
+    write_manifest,
 )
 from pretrain.data.dedup import NEAR_DEDUP, ExactDedup, MinHasher, NearDedup, exact_hash, shingle_hashes
 from pretrain.data.shards import ShardInfo, ShardWriter, dtype_for_vocab
@@ -58,7 +57,7 @@ from pretrain.data.tokenizer import (
     count_words,
 )
 from pretrain.errors import DataError, require
-from pretrain.files import format_bytes, replace_dir, write_atomic
+from pretrain.files import format_bytes, replace_dir
 
 # DataConfig fields that do not change what prepare writes (where inputs come from, how many
 # workers, what the loader does): a change in them keeps a prepared dataset valid.
@@ -745,27 +744,9 @@ def prepare(cfg: DataConfig, force: bool = False, log: Callable[[str], None] | N
         for warning in report["warnings"]:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         tok.save(staging / TOKENIZER_FILE)
-        manifest = {
-            "version": MANIFEST_VERSION,
-            "tokenizer": {
-                "type": tok.kind,
-                "vocab_size": tok.vocab_size,
-                "fingerprint": tok.fingerprint(),
-                "eot_token": tok.eot_token,
-                "dtype": dtype_for_vocab(tok.vocab_size).name,
-            },
-            **{
-                split: [
-                    {"path": s.path.name, "n_tokens": s.n_tokens, "n_docs": s.n_docs, "sha256": s.sha256}
-                    for s in shards[split]
-                ]
-                for split in SPLITS
-            },
-            "config": output_config(cfg),
-            "inputs": inputs,
-            "report": report,
-        }
-        write_atomic(staging / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        write_manifest(
+            staging, tokenizer=tok, shards=shards, config=output_config(cfg), inputs=inputs, report=report
+        )
         replace_dir(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
