@@ -258,7 +258,7 @@ def test_token_ids_beyond_the_vocabulary_are_a_data_error(tmp_path):
     from pretrain.data.loader import ShardedLoader
     from pretrain.data.shards import ShardWriter
 
-    w = ShardWriter(tmp_path, "train", np.dtype(np.uint16), 1 << 20)
+    w = ShardWriter(tmp_path, "train", np.dtype(np.uint16), shard_tokens=1 << 20)
     w.write(np.arange(200, dtype=np.uint16) % 70, [200])  # ids up to 69, "vocab" 65
     w.close()
     paths = sorted(tmp_path.glob("*.bin"))

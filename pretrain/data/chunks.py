@@ -63,7 +63,7 @@ class Chunk:
 _SCAN = 1 << 16
 
 
-def _cut_after_newline(f: BinaryIO, target: int, size: int, must_find: bool, window: int) -> int:
+def _cut_after_newline(f: BinaryIO, target: int, size: int, *, must_find: bool, window: int) -> int:
     """The offset just past the first b'\\n' at or after `target`. Without one in the next `window`
     bytes (and unless must_find), the first UTF-8 character boundary from `target` on."""
     pos = target
@@ -88,7 +88,7 @@ def _cut_after_newline(f: BinaryIO, target: int, size: int, must_find: bool, win
 
 
 def file_chunks(
-    file: InputFile, chunk_bytes: int, text_split_bytes: int, text_field: str = "text"
+    file: InputFile, *, chunk_bytes: int, text_split_bytes: int, text_field: str = "text"
 ) -> Iterator[Chunk]:
     """A JSON Lines file in pieces of about chunk_bytes; a text file in pieces of about
     text_split_bytes (each piece then a document); a parquet file by row group; a dataset's
@@ -124,7 +124,11 @@ def file_chunks(
                     file.size
                     if target >= file.size
                     else _cut_after_newline(
-                        f, target, file.size, file.format == "jsonl", min(piece_bytes, 1 << 20)
+                        f,
+                        target,
+                        file.size,
+                        must_find=file.format == "jsonl",
+                        window=min(piece_bytes, 1 << 20),
                     )
                 )
                 yield Chunk(
@@ -161,12 +165,16 @@ def _decompressed_chunks(file: InputFile, piece_bytes: int) -> Iterator[Chunk]:
                     block = stream.read(1 << 20)
                     eof = not block
                     buf += block
-                cut = None if len(buf) <= piece_bytes else _cut_in(buf, piece_bytes, must_find, window)
+                cut = (
+                    None
+                    if len(buf) <= piece_bytes
+                    else _cut_in(buf, piece_bytes, must_find=must_find, window=window)
+                )
                 while cut is None and not eof and len(buf) > piece_bytes:  # a line longer than the buffer
                     block = stream.read(1 << 20)
                     eof = not block
                     buf += block
-                    cut = _cut_in(buf, piece_bytes, must_find, window)
+                    cut = _cut_in(buf, piece_bytes, must_find=must_find, window=window)
                 if cut is None:
                     cut = len(buf)
                 last = eof and cut == len(buf)
@@ -200,7 +208,7 @@ def _decompressed_chunks(file: InputFile, piece_bytes: int) -> Iterator[Chunk]:
         raise
 
 
-def _cut_in(buf: bytearray, target: int, must_find: bool, window: int) -> int | None:
+def _cut_in(buf: bytearray, target: int, *, must_find: bool, window: int) -> int | None:
     """Where to end a piece of `buf` at or after `target`: past a line break, else (text) at a
     character boundary once `window` bytes have no line break; None: read more first."""
     i = buf.find(b"\n", target)
@@ -327,14 +335,16 @@ def _stream_chunks(file: InputFile, chunk_bytes: int, text_field: str) -> Iterat
 
 
 def plan_tasks(
-    files: Iterator[InputFile], chunk_bytes: int, text_split_bytes: int, text_field: str = "text"
+    files: Iterator[InputFile], *, chunk_bytes: int, text_split_bytes: int, text_field: str = "text"
 ) -> Iterator[list[Chunk]]:
     """Group chunks into worker tasks of about chunk_bytes: one chunk of a large file, or a run
     of small files."""
     task: list[Chunk] = []
     size = 0
     for file in files:
-        for chunk in file_chunks(file, chunk_bytes, text_split_bytes, text_field):
+        for chunk in file_chunks(
+            file, chunk_bytes=chunk_bytes, text_split_bytes=text_split_bytes, text_field=text_field
+        ):
             n = (
                 len(chunk.data)
                 if chunk.data is not None

@@ -16,6 +16,7 @@ from pretrain.data.sources import HFOptions, iter_input_files
 
 def iter_documents(
     corpus: str,
+    *,
     clean: CleanConfig | None = None,
     fmt: str = "auto",
     text_field: str = "text",
@@ -31,9 +32,9 @@ def iter_documents(
     stats = stats if stats is not None else CleanStats()
     for task in plan_tasks(
         iter_input_files(corpus, fmt=fmt, download_dir=download_dir, source=source, hf=hf),
-        chunk_bytes,
-        text_split_bytes,
-        text_field,
+        chunk_bytes=chunk_bytes,
+        text_split_bytes=text_split_bytes,
+        text_field=text_field,
     ):
         for chunk in task:
             yield from read_chunk(chunk, text_field, cleaner, stats)

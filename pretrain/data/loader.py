@@ -115,7 +115,7 @@ class _Cache:
 
 
 def _check_layout(
-    block_size: int, micro_batch_size: int, grad_accum: int, rank: int, world_size: int, prefetch: int
+    *, block_size: int, micro_batch_size: int, grad_accum: int, rank: int, world_size: int, prefetch: int
 ) -> None:
     for name, value in (("block_size", block_size), ("micro_batch_size", micro_batch_size)):
         if value < 1:
@@ -183,7 +183,14 @@ class ShardedLoader:
         `weights` gives each one's share of the samples). With `vocab_size`, every batch is checked
         to hold only token ids below it (unverified or foreign shards; a bad id would otherwise
         crash the embedding, or on a GPU assert in its kernel)."""
-        _check_layout(block_size, micro_batch_size, grad_accum, rank, world_size, prefetch)
+        _check_layout(
+            block_size=block_size,
+            micro_batch_size=micro_batch_size,
+            grad_accum=grad_accum,
+            rank=rank,
+            world_size=world_size,
+            prefetch=prefetch,
+        )
         groups = _dataset_groups(shard_paths)
         self.weights = _blend_weights(weights, groups)
 

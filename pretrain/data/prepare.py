@@ -275,7 +275,12 @@ def _inputs(cfg: DataConfig) -> Iterator[Any]:
 
 
 def _tasks(cfg: DataConfig) -> Iterator[list[Chunk]]:
-    return plan_tasks(_inputs(cfg), cfg.chunk_bytes, cfg.text_split_bytes, cfg.text_field)
+    return plan_tasks(
+        _inputs(cfg),
+        chunk_bytes=cfg.chunk_bytes,
+        text_split_bytes=cfg.text_split_bytes,
+        text_field=cfg.text_field,
+    )
 
 
 def input_fingerprint(cfg: DataConfig, fetch: bool = True) -> dict[str, Any]:
@@ -315,6 +320,7 @@ class Progress:
         what: str,
         total: int | None,
         log: Callable[[str], None] | None,
+        *,
         terminal: bool | None = None,
         every_s: float = 10.0,
     ) -> None:
@@ -388,6 +394,7 @@ def _fit_tokenizer(
     cfg: DataConfig,
     workers: _Workers,
     setup: _Setup,
+    *,
     log: Callable[[str], None] | None,
     total: int | None = None,
 ) -> Tokenizer:
@@ -440,13 +447,14 @@ def _encode(
     workers: _Workers,
     setup: _Setup,
     staging: Path,
+    *,
     log: Callable[[str], None] | None,
     total: int | None = None,
 ) -> tuple[dict[str, list[ShardInfo]], dict[str, Any]]:
     """Tokenize every task in the workers; here, in corpus order: dedup, split, write the shards."""
     clean = cfg.clean
     dtype = dtype_for_vocab(tok.vocab_size)
-    writers = {s: ShardWriter(staging, s, dtype, cfg.shard_tokens) for s in SPLITS}
+    writers = {s: ShardWriter(staging, s, dtype, shard_tokens=cfg.shard_tokens) for s in SPLITS}
     exact = ExactDedup() if clean.exact_dedup else None
     near = NearDedup(clean.near_dedup_threshold, clean.minhash_perms) if clean.near_dedup else None
     stats = CleanStats()
@@ -460,7 +468,7 @@ def _encode(
         for task, r in results:
             stats.add(r.stats)
             worker_cpu += r.cpu_s
-            idx = np.flatnonzero(_dedup(r, exact, near, doc_index, stats))
+            idx = np.flatnonzero(_dedup(r, exact, near, doc_index=doc_index, stats=stats))
             doc_index += len(r.names)
             if idx.size:
                 kept += idx.size
@@ -474,7 +482,7 @@ def _encode(
             raise DataError(
                 f"{cfg.corpus}: no document left after cleaning and filtering ({_one_line(stats)})"
             )
-        notes = _write_last(cfg, tok, writers, held, kept)
+        notes = _write_last(cfg, tok, writers, held, kept=kept)
         shards = {s: writers[s].close() for s in SPLITS}
     except BaseException:
         for w in writers.values():
@@ -483,8 +491,16 @@ def _encode(
     finally:
         results.close()  # stops the workers at once on an error
         progress.close()
-    report = _report(stats, clean, kept, bytes_out, notes, shards, time.perf_counter() - t0)
-    report["warnings"] = _split_warnings(cfg, report["tokens"], kept, largest)
+    report = _report(
+        stats,
+        clean,
+        kept=kept,
+        bytes_out=bytes_out,
+        notes=notes,
+        shards=shards,
+        seconds=time.perf_counter() - t0,
+    )
+    report["warnings"] = _split_warnings(cfg, tokens=report["tokens"], kept=kept, largest=largest)
     # CPU seconds: tasks (in the workers, or here with none) and this process's own share.
     main_cpu = time.process_time() - cpu0 - (worker_cpu if workers.n == 0 else 0.0)
     report["cpu_seconds"] = {"tasks": round(worker_cpu, 3), "main": round(main_cpu, 3)}
@@ -494,7 +510,7 @@ def _encode(
 
 
 def _dedup(
-    r: _Encoded, exact: ExactDedup | None, near: NearDedup | None, doc_index: int, stats: CleanStats
+    r: _Encoded, exact: ExactDedup | None, near: NearDedup | None, *, doc_index: int, stats: CleanStats
 ) -> np.ndarray:
     """Which of a task's documents to keep: in corpus order, the first of each duplicate."""
     keep = np.ones(len(r.names), dtype=bool)
@@ -536,7 +552,7 @@ def _write_kept(
 
 
 def _write_last(
-    cfg: DataConfig, tok: Tokenizer, writers: dict[str, ShardWriter], held: _Held, kept: int
+    cfg: DataConfig, tok: Tokenizer, writers: dict[str, ShardWriter], held: _Held, *, kept: int
 ) -> list[str]:
     """Write the held last document where it fills a gap; returns notes for the report."""
     if kept == 1:
@@ -567,7 +583,7 @@ def _write_last(
 
 
 def _split_warnings(
-    cfg: DataConfig, tokens: dict[str, int], kept: int, largest: tuple[int, str, str]
+    cfg: DataConfig, *, tokens: dict[str, int], kept: int, largest: tuple[int, str, str]
 ) -> list[str]:
     """A warning when val's share of the tokens is far from data.val_fraction: over twice it
     (training data lost), or under a fifth. Documents go to a split whole, so a few large ones
@@ -590,6 +606,7 @@ def _split_warnings(
 def _report(
     stats: CleanStats,
     clean: CleanConfig,
+    *,
     kept: int,
     bytes_out: int,
     notes: list[str],
@@ -738,9 +755,9 @@ def prepare(cfg: DataConfig, force: bool = False, log: Callable[[str], None] | N
                 f"{cfg.tokenizer} tokenizer, {workers.n} worker processes"
             )
         setup = _Setup(cfg.clean, cfg.text_field, cfg.seed, cfg.val_fraction)
-        tok = _fit_tokenizer(cfg, workers, setup, log, inputs["bytes"])
+        tok = _fit_tokenizer(cfg, workers, setup, log=log, total=inputs["bytes"])
         setup.tokenizer, setup.dtype = tok, dtype_for_vocab(tok.vocab_size).name
-        shards, report = _encode(cfg, tok, workers, setup, staging, log, inputs["bytes"])
+        shards, report = _encode(cfg, tok, workers, setup, staging, log=log, total=inputs["bytes"])
         for warning in report["warnings"]:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         tok.save(staging / TOKENIZER_FILE)

@@ -75,7 +75,7 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def download(url: str, dest: Path, sha256: str, timeout_s: float = 60.0) -> Path:
+def download(url: str, dest: Path, sha256: str, *, timeout_s: float = 60.0) -> Path:
     """Fetch `url` into `dest` (atomically) unless `dest` already holds the right bytes."""
     if dest.is_file() and _sha256_file(dest) == sha256:
         return dest
@@ -211,7 +211,7 @@ def _walk_sorted(
             yield Path(entry.path)
 
 
-def _input(name: str, path: Path, fmt: str, identity: str | None = None) -> InputFile:
+def _input(name: str, path: Path, fmt: str, *, identity: str | None = None) -> InputFile:
     try:
         st = path.stat()
     except OSError as e:
