@@ -40,10 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pretrain.config.tree import DataConfig  # noqa: E402
-from pretrain.data.corpus import shakespeare_files  # noqa: E402
 from pretrain.data.dataset import load_manifest  # noqa: E402
 from pretrain.data.prepare import prepare  # noqa: E402
 from pretrain.data.shards import HEADER_SIZE, read_header  # noqa: E402
+from pretrain.data.sources import shakespeare_files  # noqa: E402
 from pretrain.data.tokenizer import TiktokenTokenizer  # noqa: E402
 from pretrain.errors import DataError  # noqa: E402
 
@@ -206,7 +206,16 @@ def bench_loader(dataset: Path, block: int, micro: int, batches: int) -> tuple[f
     from pretrain.data.loader import ShardedLoader
 
     paths = [dataset / e["path"] for e in load_manifest(dataset)["train"]]
-    loader = ShardedLoader(paths, block, micro, 1, 0, 1, seed=0, verify=False)
+    loader = ShardedLoader(
+        paths,
+        block_size=block,
+        micro_batch_size=micro,
+        grad_accum=1,
+        rank=0,
+        world_size=1,
+        seed=0,
+        verify=False,
+    )
     # The bare loops: every window of the shards, in a random order drawn beforehand.
     mms = [
         np.memmap(
@@ -264,7 +273,17 @@ def bench_prefetch(dataset: Path, block: int, micro: int, step_ms: float, steps:
     from pretrain.data.loader import ShardedLoader
 
     paths = [dataset / e["path"] for e in load_manifest(dataset)["train"]]
-    loader = ShardedLoader(paths, block, micro, 1, 0, 1, seed=0, verify=False, prefetch=2)
+    loader = ShardedLoader(
+        paths,
+        block_size=block,
+        micro_batch_size=micro,
+        grad_accum=1,
+        rank=0,
+        world_size=1,
+        seed=0,
+        verify=False,
+        prefetch=2,
+    )
     # The step's compute on one thread, as each rank is set up on a CPU (OMP_NUM_THREADS=1); on a GPU
     # the host thread mostly waits on the device. The prefetching thread uses what is left.
     threads = torch.get_num_threads()

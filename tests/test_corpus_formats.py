@@ -15,9 +15,11 @@ import pytest
 import zstandard
 
 from pretrain.config.tree import DataConfig
-from pretrain.data.corpus import DataError, HFOptions, iter_documents, iter_input_files
+from pretrain.data.corpus import iter_documents
 from pretrain.data.dataset import load_manifest
 from pretrain.data.prepare import prepare
+from pretrain.data.sources import HFOptions, iter_input_files
+from pretrain.errors import DataError
 
 
 def texts(n: int = 300) -> list[str]:

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from pretrain.config.tree import CleanConfig, DataConfig
-from pretrain.data.corpus import CleanStats, DataError, download, iter_documents, iter_input_files
+from pretrain.data.clean import CleanStats
+from pretrain.data.corpus import iter_documents
 from pretrain.data.dataset import load_manifest, open_datasets, shard_paths
 from pretrain.data.dedup import ExactDedup, MinHasher, NearDedup
 from pretrain.data.prepare import format_report, is_val_document, prepare
@@ -26,6 +27,7 @@ from pretrain.data.shards import (
     read_header,
     write_shard,
 )
+from pretrain.data.sources import download, iter_input_files
 from pretrain.data.tokenizer import (
     BPETokenizer,
     CharTokenizer,
@@ -33,6 +35,7 @@ from pretrain.data.tokenizer import (
     count_words,
     load_tokenizer,
 )
+from pretrain.errors import DataError
 from tests.conftest import GPT2_DIR
 from tests.conftest import GPT2_RANKS as RANKS
 from tests.conftest import TINY_SHAKESPEARE as TINY
@@ -305,7 +308,7 @@ def test_exact_dedup_set_grows_and_remembers() -> None:
 def test_minhash_signatures_match_datasketch_and_find_near_duplicates() -> None:
     from datasketch import MinHash
 
-    from pretrain.data.corpus import shingle_hashes
+    from pretrain.data.dedup import shingle_hashes
 
     base = " ".join(f"word{i}" for i in range(300))
     near = base.replace("word150", "changed")

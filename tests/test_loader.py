@@ -34,7 +34,19 @@ def sample_ids(x: torch.Tensor) -> list[tuple[int, int]]:
 def loaders(
     paths: list, world: int, micro: int, accum: int, seed: int = 0, **kw: object
 ) -> list[ShardedLoader]:
-    return [ShardedLoader(paths, BLOCK_SIZE, micro, accum, r, world, seed, **kw) for r in range(world)]  # type: ignore[arg-type]
+    return [
+        ShardedLoader(
+            paths,
+            block_size=BLOCK_SIZE,
+            micro_batch_size=micro,
+            grad_accum=accum,
+            rank=r,
+            world_size=world,
+            seed=seed,
+            **kw,
+        )
+        for r in range(world)
+    ]  # type: ignore[arg-type]
 
 
 def global_batch(ranks: list[ShardedLoader]) -> list[tuple[int, int]]:
@@ -80,7 +92,16 @@ def test_loader_order_depends_on_seed(tmp_path: Path) -> None:
     a = global_batches(loaders(paths, 1, 4, 1, seed=1), 4)
     assert a == global_batches(loaders(paths, 1, 4, 1, seed=1), 4)
     assert a != global_batches(loaders(paths, 1, 4, 1, seed=2), 4)
-    unshuffled = ShardedLoader(paths, BLOCK_SIZE, 16, 1, 0, 1, seed=1, shuffle=False)
+    unshuffled = ShardedLoader(
+        paths,
+        block_size=BLOCK_SIZE,
+        micro_batch_size=16,
+        grad_accum=1,
+        rank=0,
+        world_size=1,
+        seed=1,
+        shuffle=False,
+    )
     assert sample_ids(unshuffled.next_batch()[0]) == sorted(ALL_SAMPLES)
 
 
@@ -155,7 +176,16 @@ def test_resume_mid_step_needs_the_same_layout(tmp_path: Path) -> None:
 def test_blend_is_deterministic_with_exact_shares_and_epochs_per_dataset(tmp_path: Path) -> None:
     a = make_shards(tmp_path, [4 * 50 + 1])  # 50 samples
     b = make_shards(tmp_path, [4 * 30 + 1], first=1)  # 30 samples
-    loader = ShardedLoader([a, b], BLOCK_SIZE, 64, 1, 0, 1, seed=3, weights=[3, 1])
+    loader = ShardedLoader(
+        [a, b],
+        block_size=BLOCK_SIZE,
+        micro_batch_size=64,
+        grad_accum=1,
+        rank=0,
+        world_size=1,
+        seed=3,
+        weights=[3, 1],
+    )
     stream = [s for _ in range(BLOCK // 64) for s in sample_ids(loader.next_batch()[0])]
     from_a = [s for s in stream if s[0] == 0]
     assert len(from_a) == BLOCK * 3 // 4  # exactly the weight's share of a blend block
@@ -163,14 +193,39 @@ def test_blend_is_deterministic_with_exact_shares_and_epochs_per_dataset(tmp_pat
         assert set(from_a[50 * e : 50 * (e + 1)]) == {(0, j) for j in range(50)}
     from_b = [s for s in stream if s[0] == 1]
     assert set(from_b[:30]) == {(1, j) for j in range(30)}
-    fifty = ShardedLoader([a, b], BLOCK_SIZE, 50, 1, 0, 1, seed=3, weights=[3, 1])
+    fifty = ShardedLoader(
+        [a, b],
+        block_size=BLOCK_SIZE,
+        micro_batch_size=50,
+        grad_accum=1,
+        rank=0,
+        world_size=1,
+        seed=3,
+        weights=[3, 1],
+    )
     assert [s for _ in range(4) for s in sample_ids(fifty.next_batch()[0])] == stream[:200]  # any batch size
-    other = ShardedLoader([a, b], BLOCK_SIZE, 64, 1, 0, 1, seed=4, weights=[3, 1])
+    other = ShardedLoader(
+        [a, b],
+        block_size=BLOCK_SIZE,
+        micro_batch_size=64,
+        grad_accum=1,
+        rank=0,
+        world_size=1,
+        seed=4,
+        weights=[3, 1],
+    )
     assert sample_ids(other.next_batch()[0]) != stream[:64]
     with pytest.raises(DataError, match="blend weights"):
-        ShardedLoader([a, b], BLOCK_SIZE, 64, 1, 0, 1, seed=3, weights=[1, 1]).load_state_dict(
-            loader.state_dict()
-        )
+        ShardedLoader(
+            [a, b],
+            block_size=BLOCK_SIZE,
+            micro_batch_size=64,
+            grad_accum=1,
+            rank=0,
+            world_size=1,
+            seed=3,
+            weights=[1, 1],
+        ).load_state_dict(loader.state_dict())
 
 
 def test_prefetch_gives_the_same_batches_and_state(tmp_path: Path) -> None:
@@ -218,7 +273,7 @@ def test_block_larger_than_a_shard(tmp_path: Path) -> None:
     with pytest.raises(
         DataError, match=r"shard1\.bin: 7 tokens, shorter than one sample of block_size \+ 1 = 9"
     ):
-        ShardedLoader(paths, 8, 1, 1, 0, 1, seed=0)
+        ShardedLoader(paths, block_size=8, micro_batch_size=1, grad_accum=1, rank=0, world_size=1, seed=0)
 
 
 @pytest.mark.gpu

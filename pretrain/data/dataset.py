@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.config.tree import DataConfig, RunConfig
+from pretrain.data.shards import ShardInfo, dtype_for_vocab, read_header
+from pretrain.data.tokenizer import GPT2_VOCAB_SIZE, Tokenizer
 from pretrain.errors import ConfigError, DataError
-from pretrain.data.shards import read_header
-from pretrain.data.tokenizer import GPT2_VOCAB_SIZE
+from pretrain.files import write_atomic
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2
@@ -26,6 +27,41 @@ TOKENIZER_FILE = "tokenizer.json"
 SPLITS = ("train", "val")
 # The vocabulary of a char-level model before its data is prepared: tiny-shakespeare's 65 characters.
 CHAR_VOCAB_GUESS = 65
+
+
+def write_manifest(
+    dataset_dir: str | Path,
+    *,
+    tokenizer: Tokenizer,
+    shards: dict[str, list[ShardInfo]],
+    config: dict[str, Any],
+    inputs: dict[str, Any],
+    report: dict[str, Any],
+) -> None:
+    """Write the manifest that `load_manifest` reads: the tokenizer, every split's shards, the
+    output config, the inputs' fingerprint and prepare's report. Written last (atomically): its
+    presence marks the directory a complete dataset."""
+    manifest = {
+        "version": MANIFEST_VERSION,
+        "tokenizer": {
+            "type": tokenizer.kind,
+            "vocab_size": tokenizer.vocab_size,
+            "fingerprint": tokenizer.fingerprint(),
+            "eot_token": tokenizer.eot_token,
+            "dtype": dtype_for_vocab(tokenizer.vocab_size).name,
+        },
+        **{
+            split: [
+                {"path": s.path.name, "n_tokens": s.n_tokens, "n_docs": s.n_docs, "sha256": s.sha256}
+                for s in shards[split]
+            ]
+            for split in SPLITS
+        },
+        "config": config,
+        "inputs": inputs,
+        "report": report,
+    }
+    write_atomic(Path(dataset_dir) / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
 def load_manifest(dataset_dir: str | Path) -> dict[str, Any]:

@@ -14,6 +14,8 @@ Memory is the one thing that grows with the corpus here:
 from __future__ import annotations
 
 import hashlib
+import re
+import zlib
 
 import numpy as np
 
@@ -102,3 +104,23 @@ class NearDedup:
         self._lsh.insert(key, m, check_duplication=False)
         self.size += 1
         return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Near-duplicate signatures (computed in the workers, from each document's shingles)
+
+_WORDS = re.compile(r"\w+")
+
+
+def shingle_hashes(text: str, n: int) -> np.ndarray:
+    """32-bit hashes of the document's n-word shingles (lowercased \\w+ words), stable across
+    processes and machines (crc32 per word, combined polynomially)."""
+    words = _WORDS.findall(text.lower())
+    if not words:
+        return np.empty(0, dtype=np.uint32)
+    wh = np.fromiter((zlib.crc32(w.encode()) for w in words), dtype=np.uint64, count=len(words))
+    n = min(n, len(wh))
+    h = np.zeros(len(wh) - n + 1, dtype=np.uint64)
+    for k in range(n):
+        h = h * np.uint64(1_000_003) + wh[k : k + len(h)]  # wraps mod 2**64, as intended
+    return (h ^ (h >> np.uint64(32))).astype(np.uint32)

@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pretrain.errors import DataError
 from pretrain.data.shards import open_shard
+from pretrain.errors import DataError
 
 BLOCK = 1 << 16  # positions per blend block and per cached permutation block
 _ROUNDS = 6
@@ -114,10 +114,58 @@ class _Cache:
         return value
 
 
+def _check_layout(
+    *, block_size: int, micro_batch_size: int, grad_accum: int, rank: int, world_size: int, prefetch: int
+) -> None:
+    for name, value in (("block_size", block_size), ("micro_batch_size", micro_batch_size)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if grad_accum < 1 or world_size < 1 or not 0 <= rank < world_size or prefetch < 0:
+        raise ValueError(
+            f"need grad_accum >= 1, 0 <= rank < world_size, prefetch >= 0; got {grad_accum}, {rank}, "
+            f"{world_size}, {prefetch}"
+        )
+
+
+def _dataset_groups(shard_paths: Sequence[str | Path] | Sequence[Sequence[str | Path]]) -> list[list[Path]]:
+    """One list of shard paths per dataset (a single dataset given as a flat list)."""
+    if not shard_paths:
+        raise DataError("no shards given to the loader")
+    return (
+        [[Path(p) for p in shard_paths]]  # type: ignore[arg-type]
+        if isinstance(shard_paths[0], str | Path)
+        else [[Path(p) for p in g] for g in shard_paths]  # type: ignore[union-attr]
+    )
+
+
+def _blend_weights(weights: Sequence[float] | None, groups: list[list[Path]]) -> list[float]:
+    out = [1.0] * len(groups) if weights is None else [float(w) for w in weights]
+    if len(out) != len(groups) or any(not w > 0 for w in out):
+        raise ValueError(f"need one positive weight per dataset ({len(groups)}), got {out}")
+    if any(not g for g in groups):
+        raise DataError("a blended dataset has no shards")
+    return out
+
+
+def _check_shards(paths: list[Path], shards: Sequence[np.ndarray], block_size: int) -> None:
+    """One token dtype, and at least one sample in every shard."""
+    if len({s.dtype for s in shards}) > 1:
+        raise DataError(f"{paths[0]} …: shards of different token dtypes (another tokenizer) in one loader")
+    short = [(p, len(s)) for p, s in zip(paths, shards, strict=True) if len(s) < block_size + 1]
+    if short:
+        (p, n), more = short[0], len(short) - 1
+        raise DataError(
+            f"{p}: {n} tokens, shorter than one sample of block_size + 1 = {block_size + 1} tokens"
+            f"{f' (and {more} more shards)' if more else ''}; use a smaller model.block_size, or prepare "
+            "with a larger data.shard_tokens"
+        )
+
+
 class ShardedLoader:
     def __init__(
         self,
         shard_paths: Sequence[str | Path] | Sequence[Sequence[str | Path]],
+        *,
         block_size: int,
         micro_batch_size: int,
         grad_accum: int,
@@ -135,26 +183,16 @@ class ShardedLoader:
         `weights` gives each one's share of the samples). With `vocab_size`, every batch is checked
         to hold only token ids below it (unverified or foreign shards; a bad id would otherwise
         crash the embedding, or on a GPU assert in its kernel)."""
-        for name, value in (("block_size", block_size), ("micro_batch_size", micro_batch_size)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if grad_accum < 1 or world_size < 1 or not 0 <= rank < world_size or prefetch < 0:
-            raise ValueError(
-                f"need grad_accum >= 1, 0 <= rank < world_size, prefetch >= 0; got {grad_accum}, {rank}, "
-                f"{world_size}, {prefetch}"
-            )
-        if not shard_paths:
-            raise DataError("no shards given to the loader")
-        groups = (
-            [[Path(p) for p in shard_paths]]  # type: ignore[arg-type]
-            if isinstance(shard_paths[0], str | Path)
-            else [[Path(p) for p in g] for g in shard_paths]  # type: ignore[union-attr]
+        _check_layout(
+            block_size=block_size,
+            micro_batch_size=micro_batch_size,
+            grad_accum=grad_accum,
+            rank=rank,
+            world_size=world_size,
+            prefetch=prefetch,
         )
-        weights = [1.0] * len(groups) if weights is None else [float(w) for w in weights]
-        if len(weights) != len(groups) or any(not w > 0 for w in weights):
-            raise ValueError(f"need one positive weight per dataset ({len(groups)}), got {weights}")
-        if any(not g for g in groups):
-            raise DataError("a blended dataset has no shards")
+        groups = _dataset_groups(shard_paths)
+        self.weights = _blend_weights(weights, groups)
 
         self.block_size = block_size
         self.micro_batch_size = micro_batch_size
@@ -163,30 +201,11 @@ class ShardedLoader:
         self.world_size = world_size
         self.seed = seed
         self.shuffle = shuffle
-        self.weights = weights
         self.vocab_size = vocab_size
         self.paths = [p for g in groups for p in g]
         self.shards = [open_shard(p, verify=verify) for p in self.paths]
-        if len({s.dtype for s in self.shards}) > 1:
-            raise DataError(
-                f"{self.paths[0]} …: shards of different token dtypes (another tokenizer) in one loader"
-            )
-        short = [(p, len(s)) for p, s in zip(self.paths, self.shards, strict=True) if len(s) < block_size + 1]
-        if short:
-            (p, n), more = short[0], len(short) - 1
-            raise DataError(
-                f"{p}: {n} tokens, shorter than one sample of block_size + 1 = {block_size + 1} tokens"
-                f"{f' (and {more} more shards)' if more else ''}; use a smaller model.block_size, or prepare "
-                "with a larger data.shard_tokens"
-            )
-        windows = [(len(s) - 1) // block_size for s in self.shards]
-        # Global sample i lives in shard k where starts[k] <= i < starts[k + 1].
-        self._starts = np.cumsum([0, *windows])
-        self._starts_list = [int(s) for s in self._starts]
-        per_group = np.cumsum([0, *(len(g) for g in groups)])
-        self._offsets = [int(self._starts[k]) for k in per_group]  # first sample of each dataset
-        self.n_samples_per_dataset = [self._offsets[d + 1] - self._offsets[d] for d in range(len(groups))]
-        self.n_samples = self._offsets[-1]
+        _check_shards(self.paths, self.shards, block_size)
+        self._index_samples(groups)
         self.rank_batch_size = micro_batch_size * grad_accum
         self.global_batch_size = self.rank_batch_size * world_size
         if len(groups) == 1 and self.n_samples < self.global_batch_size:
@@ -194,7 +213,7 @@ class ShardedLoader:
                 f"{self.paths[0]}{' …' if len(self.paths) > 1 else ''}: {self.n_samples} samples of "
                 f"{block_size + 1} tokens, fewer than one global batch of {self.global_batch_size}"
             )
-        self._shares = self._apportion(weights) if len(groups) > 1 else np.array([BLOCK])
+        self._shares = self._apportion(self.weights) if len(groups) > 1 else np.array([BLOCK])
 
         self._cursor = _Cursor(0, 0)  # what the caller has taken
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
@@ -204,6 +223,17 @@ class ShardedLoader:
         self._stop = threading.Event()
         self._finalizer: weakref.finalize | None = None
         self._caches = (_Cache(), _Cache())  # (permutation blocks, blend blocks), for the producing thread
+
+    def _index_samples(self, groups: list[list[Path]]) -> None:
+        """Where each shard's and each dataset's samples start in the concatenated shards."""
+        windows = [(len(s) - 1) // self.block_size for s in self.shards]
+        # Global sample i lives in shard k where starts[k] <= i < starts[k + 1].
+        self._starts = np.cumsum([0, *windows])
+        self._starts_list = [int(s) for s in self._starts]
+        per_group = np.cumsum([0, *(len(g) for g in groups)])
+        self._offsets = [int(self._starts[k]) for k in per_group]  # first sample of each dataset
+        self.n_samples_per_dataset = [self._offsets[d + 1] - self._offsets[d] for d in range(len(groups))]
+        self.n_samples = self._offsets[-1]
 
     # -----------------------------------------------------------------------------------------
     # The order: stream positions -> samples

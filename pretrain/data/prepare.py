@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import multiprocessing
 import os
 import shutil
@@ -36,24 +35,19 @@ from typing import Any, TypeVar
 import numpy as np
 
 from pretrain.config.tree import CleanConfig, DataConfig
-from pretrain.data.corpus import (
-    DOWNLOADS,
-    Chunk,
-    Cleaner,
-    CleanStats,
-    Document,
-    HFOptions,
-    format_of,
-    iter_input_files,
-    plan_tasks,
-    read_chunk,
-    shingle_hashes,
+from pretrain.data.chunks import Chunk, Document, plan_tasks, read_chunk
+from pretrain.data.clean import Cleaner, CleanStats
+from pretrain.data.dataset import (
+    MANIFEST,
+    SPLITS,
+    TOKENIZER_FILE,
+    load_manifest,
+    open_datasets,
+    write_manifest,
 )
-from pretrain.data.dataset import MANIFEST, MANIFEST_VERSION, SPLITS, TOKENIZER_FILE, load_manifest, open_datasets
-from pretrain.data.dedup import NEAR_DEDUP, ExactDedup, MinHasher, NearDedup, exact_hash
-from pretrain.errors import DataError, require
-from pretrain.files import format_bytes, replace_dir, write_atomic
+from pretrain.data.dedup import NEAR_DEDUP, ExactDedup, MinHasher, NearDedup, exact_hash, shingle_hashes
 from pretrain.data.shards import ShardInfo, ShardWriter, dtype_for_vocab
+from pretrain.data.sources import DOWNLOADS, HFOptions, format_of, iter_input_files
 from pretrain.data.tokenizer import (
     BPE_RANKS_FILE,
     BPETokenizer,
@@ -62,6 +56,8 @@ from pretrain.data.tokenizer import (
     Tokenizer,
     count_words,
 )
+from pretrain.errors import DataError, require
+from pretrain.files import format_bytes, replace_dir
 
 # DataConfig fields that do not change what prepare writes (where inputs come from, how many
 # workers, what the loader does): a change in them keeps a prepared dataset valid.
@@ -273,11 +269,18 @@ def _worker_count(cfg: DataConfig) -> int:
 
 def _inputs(cfg: DataConfig) -> Iterator[Any]:
     hf = HFOptions(cfg.hf_config, cfg.hf_split, cfg.hf_streaming)
-    return iter_input_files(cfg.corpus, cfg.format, cfg.download_dir, cfg.source, hf)
+    return iter_input_files(
+        cfg.corpus, fmt=cfg.format, download_dir=cfg.download_dir, source=cfg.source, hf=hf
+    )
 
 
 def _tasks(cfg: DataConfig) -> Iterator[list[Chunk]]:
-    return plan_tasks(_inputs(cfg), cfg.chunk_bytes, cfg.text_split_bytes, cfg.text_field)
+    return plan_tasks(
+        _inputs(cfg),
+        chunk_bytes=cfg.chunk_bytes,
+        text_split_bytes=cfg.text_split_bytes,
+        text_field=cfg.text_field,
+    )
 
 
 def input_fingerprint(cfg: DataConfig, fetch: bool = True) -> dict[str, Any]:
@@ -317,6 +320,7 @@ class Progress:
         what: str,
         total: int | None,
         log: Callable[[str], None] | None,
+        *,
         terminal: bool | None = None,
         every_s: float = 10.0,
     ) -> None:
@@ -390,6 +394,7 @@ def _fit_tokenizer(
     cfg: DataConfig,
     workers: _Workers,
     setup: _Setup,
+    *,
     log: Callable[[str], None] | None,
     total: int | None = None,
 ) -> Tokenizer:
@@ -442,13 +447,14 @@ def _encode(
     workers: _Workers,
     setup: _Setup,
     staging: Path,
+    *,
     log: Callable[[str], None] | None,
     total: int | None = None,
 ) -> tuple[dict[str, list[ShardInfo]], dict[str, Any]]:
     """Tokenize every task in the workers; here, in corpus order: dedup, split, write the shards."""
     clean = cfg.clean
     dtype = dtype_for_vocab(tok.vocab_size)
-    writers = {s: ShardWriter(staging, s, dtype, cfg.shard_tokens) for s in SPLITS}
+    writers = {s: ShardWriter(staging, s, dtype, shard_tokens=cfg.shard_tokens) for s in SPLITS}
     exact = ExactDedup() if clean.exact_dedup else None
     near = NearDedup(clean.near_dedup_threshold, clean.minhash_perms) if clean.near_dedup else None
     stats = CleanStats()
@@ -462,7 +468,7 @@ def _encode(
         for task, r in results:
             stats.add(r.stats)
             worker_cpu += r.cpu_s
-            idx = np.flatnonzero(_dedup(r, exact, near, doc_index, stats))
+            idx = np.flatnonzero(_dedup(r, exact, near, doc_index=doc_index, stats=stats))
             doc_index += len(r.names)
             if idx.size:
                 kept += idx.size
@@ -476,7 +482,7 @@ def _encode(
             raise DataError(
                 f"{cfg.corpus}: no document left after cleaning and filtering ({_one_line(stats)})"
             )
-        notes = _write_last(cfg, tok, writers, held, kept)
+        notes = _write_last(cfg, tok, writers, held, kept=kept)
         shards = {s: writers[s].close() for s in SPLITS}
     except BaseException:
         for w in writers.values():
@@ -485,8 +491,16 @@ def _encode(
     finally:
         results.close()  # stops the workers at once on an error
         progress.close()
-    report = _report(stats, clean, kept, bytes_out, notes, shards, time.perf_counter() - t0)
-    report["warnings"] = _split_warnings(cfg, report["tokens"], kept, largest)
+    report = _report(
+        stats,
+        clean,
+        kept=kept,
+        bytes_out=bytes_out,
+        notes=notes,
+        shards=shards,
+        seconds=time.perf_counter() - t0,
+    )
+    report["warnings"] = _split_warnings(cfg, tokens=report["tokens"], kept=kept, largest=largest)
     # CPU seconds: tasks (in the workers, or here with none) and this process's own share.
     main_cpu = time.process_time() - cpu0 - (worker_cpu if workers.n == 0 else 0.0)
     report["cpu_seconds"] = {"tasks": round(worker_cpu, 3), "main": round(main_cpu, 3)}
@@ -496,7 +510,7 @@ def _encode(
 
 
 def _dedup(
-    r: _Encoded, exact: ExactDedup | None, near: NearDedup | None, doc_index: int, stats: CleanStats
+    r: _Encoded, exact: ExactDedup | None, near: NearDedup | None, *, doc_index: int, stats: CleanStats
 ) -> np.ndarray:
     """Which of a task's documents to keep: in corpus order, the first of each duplicate."""
     keep = np.ones(len(r.names), dtype=bool)
@@ -538,7 +552,7 @@ def _write_kept(
 
 
 def _write_last(
-    cfg: DataConfig, tok: Tokenizer, writers: dict[str, ShardWriter], held: _Held, kept: int
+    cfg: DataConfig, tok: Tokenizer, writers: dict[str, ShardWriter], held: _Held, *, kept: int
 ) -> list[str]:
     """Write the held last document where it fills a gap; returns notes for the report."""
     if kept == 1:
@@ -569,7 +583,7 @@ def _write_last(
 
 
 def _split_warnings(
-    cfg: DataConfig, tokens: dict[str, int], kept: int, largest: tuple[int, str, str]
+    cfg: DataConfig, *, tokens: dict[str, int], kept: int, largest: tuple[int, str, str]
 ) -> list[str]:
     """A warning when val's share of the tokens is far from data.val_fraction: over twice it
     (training data lost), or under a fifth. Documents go to a split whole, so a few large ones
@@ -592,6 +606,7 @@ def _split_warnings(
 def _report(
     stats: CleanStats,
     clean: CleanConfig,
+    *,
     kept: int,
     bytes_out: int,
     notes: list[str],
@@ -740,33 +755,15 @@ def prepare(cfg: DataConfig, force: bool = False, log: Callable[[str], None] | N
                 f"{cfg.tokenizer} tokenizer, {workers.n} worker processes"
             )
         setup = _Setup(cfg.clean, cfg.text_field, cfg.seed, cfg.val_fraction)
-        tok = _fit_tokenizer(cfg, workers, setup, log, inputs["bytes"])
+        tok = _fit_tokenizer(cfg, workers, setup, log=log, total=inputs["bytes"])
         setup.tokenizer, setup.dtype = tok, dtype_for_vocab(tok.vocab_size).name
-        shards, report = _encode(cfg, tok, workers, setup, staging, log, inputs["bytes"])
+        shards, report = _encode(cfg, tok, workers, setup, staging, log=log, total=inputs["bytes"])
         for warning in report["warnings"]:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         tok.save(staging / TOKENIZER_FILE)
-        manifest = {
-            "version": MANIFEST_VERSION,
-            "tokenizer": {
-                "type": tok.kind,
-                "vocab_size": tok.vocab_size,
-                "fingerprint": tok.fingerprint(),
-                "eot_token": tok.eot_token,
-                "dtype": dtype_for_vocab(tok.vocab_size).name,
-            },
-            **{
-                split: [
-                    {"path": s.path.name, "n_tokens": s.n_tokens, "n_docs": s.n_docs, "sha256": s.sha256}
-                    for s in shards[split]
-                ]
-                for split in SPLITS
-            },
-            "config": output_config(cfg),
-            "inputs": inputs,
-            "report": report,
-        }
-        write_atomic(staging / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        write_manifest(
+            staging, tokenizer=tok, shards=shards, config=output_config(cfg), inputs=inputs, report=report
+        )
         replace_dir(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

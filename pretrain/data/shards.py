@@ -118,7 +118,7 @@ class ShardWriter:
     count goes to the shard where it ends; documents may span shards. A shard appears under its
     final name only once it is complete; `abort` removes all of them."""
 
-    def __init__(self, directory: str | Path, prefix: str, dtype: np.dtype, shard_tokens: int) -> None:
+    def __init__(self, directory: str | Path, prefix: str, dtype: np.dtype, *, shard_tokens: int) -> None:
         if np.dtype(dtype).itemsize not in _DTYPES:
             raise ValueError(f"dtype must be uint16 or uint32, got {dtype}")
         self.directory = Path(directory)

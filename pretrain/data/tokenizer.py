@@ -338,47 +338,21 @@ def train_bpe(word_counts: dict[bytes, int], vocab_size: int) -> dict[bytes, int
     vocab: list[bytes] = [bytes([i]) for i in range(256)]
     words: list[list[int]] = [list(w) for w in word_counts]
     freqs: list[int] = list(word_counts.values())
-    pair_count: Counter[tuple[int, int]] = Counter()
-    where: dict[tuple[int, int], set[int]] = {}
-    for wi, (word, freq) in enumerate(zip(words, freqs, strict=True)):
-        for pair in pairwise(word):
-            pair_count[pair] += freq
-            where.setdefault(pair, set()).add(wi)
+    pair_count, where = _count_pairs(words, freqs)
     # Max-heap by (count, then the smallest bytes), with stale entries skipped when popped.
     heap = [(-c, vocab[a], vocab[b], a, b) for (a, b), c in pair_count.items()]
     heapq.heapify(heap)
     for _ in range(n_merges):
-        while heap:
-            neg, _, _, a, b = heap[0]
-            if pair_count.get((a, b), 0) == -neg and neg < 0:
-                break
-            heapq.heappop(heap)
-        else:
+        best = _pop_best_pair(heap, pair_count)
+        if best is None:
             raise DataError(
                 f"the BPE training text is too small for a vocabulary of {vocab_size}: every word became "
                 f"one token after {len(vocab) - 256} merges"
             )
-        heapq.heappop(heap)
+        a, b = best
         new = len(vocab)
         vocab.append(vocab[a] + vocab[b])
-        changed: Counter[tuple[int, int]] = Counter()
-        for wi in where.pop((a, b), set()):
-            word, freq = words[wi], freqs[wi]
-            merged: list[int] = []
-            i = 0
-            while i < len(word):
-                if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
-                    merged.append(new)
-                    i += 2
-                else:
-                    merged.append(word[i])
-                    i += 1
-            for pair in pairwise(word):
-                changed[pair] -= freq
-            for pair in pairwise(merged):
-                changed[pair] += freq
-                where.setdefault(pair, set()).add(wi)
-            words[wi] = merged
+        changed = _merge_everywhere(words, freqs, where, best, new)
         for pair, delta in changed.items():
             if delta:
                 c = pair_count[pair] + delta
@@ -387,6 +361,71 @@ def train_bpe(word_counts: dict[bytes, int], vocab_size: int) -> dict[bytes, int
                     heapq.heappush(heap, (-c, vocab[pair[0]], vocab[pair[1]], pair[0], pair[1]))
         pair_count.pop((a, b), None)
     return {tok: rank for rank, tok in enumerate(vocab)}
+
+
+_PairHeap: TypeAlias = list[tuple[int, bytes, bytes, int, int]]
+
+
+def _count_pairs(
+    words: list[list[int]], freqs: list[int]
+) -> tuple[Counter[tuple[int, int]], dict[tuple[int, int], set[int]]]:
+    """Each adjacent pair's count over the words (weighted by frequency), and the words it is in."""
+    pair_count: Counter[tuple[int, int]] = Counter()
+    where: dict[tuple[int, int], set[int]] = {}
+    for wi, (word, freq) in enumerate(zip(words, freqs, strict=True)):
+        for pair in pairwise(word):
+            pair_count[pair] += freq
+            where.setdefault(pair, set()).add(wi)
+    return pair_count, where
+
+
+def _pop_best_pair(heap: _PairHeap, pair_count: Counter[tuple[int, int]]) -> tuple[int, int] | None:
+    """Pop the most frequent pair still current (stale heap entries are dropped); None when no
+    pair is left."""
+    while heap:
+        neg, _, _, a, b = heap[0]
+        if pair_count.get((a, b), 0) == -neg and neg < 0:
+            heapq.heappop(heap)
+            return a, b
+        heapq.heappop(heap)
+    return None
+
+
+def _merge_pair(word: list[int], a: int, b: int, new: int) -> list[int]:
+    """The word with every adjacent (a, b), left to right, replaced by `new`."""
+    merged: list[int] = []
+    i = 0
+    while i < len(word):
+        if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
+            merged.append(new)
+            i += 2
+        else:
+            merged.append(word[i])
+            i += 1
+    return merged
+
+
+def _merge_everywhere(
+    words: list[list[int]],
+    freqs: list[int],
+    where: dict[tuple[int, int], set[int]],
+    pair: tuple[int, int],
+    new: int,
+) -> Counter[tuple[int, int]]:
+    """Merge `pair` into token `new` in every word holding it (in place, `where` kept current);
+    returns the change in each pair's count."""
+    a, b = pair
+    changed: Counter[tuple[int, int]] = Counter()
+    for wi in where.pop(pair, set()):
+        word, freq = words[wi], freqs[wi]
+        merged = _merge_pair(word, a, b, new)
+        for p in pairwise(word):
+            changed[p] -= freq
+        for p in pairwise(merged):
+            changed[p] += freq
+            where.setdefault(p, set()).add(wi)
+        words[wi] = merged
+    return changed
 
 
 Tokenizer: TypeAlias = CharTokenizer | TiktokenTokenizer
