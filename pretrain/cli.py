@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -747,7 +748,36 @@ COMMANDS = {
 }
 
 
+class _StderrLogger(logging.Logger):
+    """A logger whose handlers on stdout write to stderr instead."""
+
+    def addHandler(self, hdlr: logging.Handler) -> None:
+        if isinstance(hdlr, logging.StreamHandler) and hdlr.stream in (sys.stdout, sys.__stdout__):
+            hdlr.setStream(sys.stderr)
+        super().addHandler(hdlr)
+
+
+def deepspeed_logs_to_stderr() -> None:
+    """DeepSpeed's log lines ("Setting accelerator to CPU", its warnings) go to stderr: stdout is the
+    commands' own output, which for `render`, `config` and `plan --json` is exactly JSON or YAML.
+
+    DeepSpeed gives its logger a handler on sys.stdout when it is first imported; the logger is made
+    here first, before any command imports DeepSpeed (this imports neither torch nor DeepSpeed), of
+    a class that turns such a handler to stderr. Where DeepSpeed is loaded already, its handlers are
+    turned now."""
+    made = logging.getLoggerClass()
+    logging.setLoggerClass(_StderrLogger)
+    try:
+        log = logging.getLogger("DeepSpeed")  # deepspeed/utils/logging.py's name
+    finally:
+        logging.setLoggerClass(made)
+    for h in log.handlers:
+        if isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.__stdout__):
+            h.setStream(sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    deepspeed_logs_to_stderr()
     ap = parser()
     args, unknown = ap.parse_known_args(argv)
     # launch-env and preflight take `train`'s arguments (launch/*.sh pass them on), whatever they are.
