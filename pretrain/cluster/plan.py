@@ -500,7 +500,7 @@ def render_plan(cfg: RunConfig, to: Target, rates: Rates | None = None) -> str:
     world, device_gb = to.world, to.device_gb
     b, m = cfg.batch, cfg.model
     n = analytic_num_params(m)
-    tbs = b.train_batch_size or 0
+    tbs = b.sequences
     lines = [
         f"{cfg.preset}: {n / 1e6:.2f}M parameters (Ψ), {m.arch}, {m.n_layer} layers, n_embd {m.n_embd}, "
         f"context {m.block_size}, vocab {m.vocab_size}, {cfg.precision.name}",
@@ -555,7 +555,7 @@ def step_times(cfg: RunConfig, world: int, rates: Rates) -> list[StepTime]:
 
 def render_times(cfg: RunConfig, world: int, rates: Rates) -> list[str]:
     m, b = cfg.model, cfg.batch
-    total_tokens = (b.train_batch_size or 0) * m.block_size * cfg.schedule.max_steps
+    total_tokens = b.sequences * m.block_size * cfg.schedule.max_steps
     src = rates.sources
     lines = [
         f"Time per step, world size {world}: peak {rates.peak_tflops:.3g} TFLOP/s a rank ({src['peak']}); "

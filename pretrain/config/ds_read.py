@@ -109,8 +109,10 @@ def _field_adapter(section: str, key: str) -> tuple[Any, TypeAdapter[Any]]:
     model = RunConfig.model_fields[section].annotation
     assert isinstance(model, type) and issubclass(model, BaseModel)
     info = model.model_fields[key]
-    # a type built at run time: the field's annotation with its bounds
-    return info.annotation, TypeAdapter(Annotated[info.annotation, info])  # type: ignore[arg-type]
+    # a type built at run time: the field's annotation with its bounds (its metadata), not its
+    # default or its model's validators
+    bounded: Any = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+    return info.annotation, TypeAdapter(bounded)
 
 
 def field_value(section: str, key: str, value: Any) -> Any:
