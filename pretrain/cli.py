@@ -17,10 +17,9 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pretrain.cluster.launch import (
     env_file_text,
@@ -30,12 +29,16 @@ from pretrain.cluster.launch import (
     read_hostfile,
     world_size,
 )
+from pretrain.cluster.supervise import restart_count, supervise
 from pretrain.config.ds_keys import RECORD
 from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
 from pretrain.config.presets import DS_CONFIG_RENDERS, PRESETS, build, build_checked
 from pretrain.config.tree import RunConfig, to_yaml
 from pretrain.errors import ConfigError, DataError, OutputError, PretrainError
 from pretrain.files import make_dir, write_atomic
+
+if TYPE_CHECKING:
+    from pretrain.training.engine import Dist
 
 
 def _number(kind: type[int] | type[float], low: float, above: bool = False, high: float | None = None) -> Any:
@@ -299,105 +302,31 @@ def _add_checkpoint_parsers(sub: Any) -> None:
     )
 
 
-def _supervise(args: argparse.Namespace) -> int:
-    """`train --nproc-per-node K --max-restarts N`: run K ranks under torchrun; when any rank dies
-    (torchrun then stops the others), start them all again from the newest checkpoint, up to N times.
-
-    Each attempt is a fresh torchrun: torchrun's own --max-restarts reuses its rendezvous store,
-    whose stale keys from the failed attempt can break the gloo groups of the next. A SIGTERM or
-    SIGINT is passed on to the ranks (which save and stop) and ends the supervision."""
-    fwd, skip = [], False
-    raw = sys.argv[1:]
-    raw = raw[raw.index("train") + 1 :] if "train" in raw else raw
-    for a in raw:
-        if skip:
-            skip = False
-        elif a in ("--max-restarts", "--nproc-per-node"):
-            skip = True
-        elif not a.startswith(("--max-restarts=", "--nproc-per-node=")):
-            fwd.append(a)
-    argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(args.nproc_per_node or 1),
-        str(Path(__file__).resolve().parent / "main.py"), *fwd,
-    ]  # fmt: skip
-    stop: list[int] = []
-    child: subprocess.Popen[bytes] | None = None
-
-    def forward(signum: int, frame: Any) -> None:
-        stop.append(signum)
-        if child is not None and child.poll() is None:
-            child.send_signal(signum)
-
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, forward)
-    rc = 1
-    restarts = args.max_restarts or 0
-    for attempt in range(restarts + 1):
-        print(f"supervisor: attempt {attempt + 1} of {restarts + 1}: {' '.join(argv[1:])}", flush=True)
-        # A session of its own, so that a terminal's Ctrl-C reaches the ranks once, through us.
-        env = {**os.environ, "PRETRAIN_RESTART_COUNT": str(attempt)}
-        child = subprocess.Popen(argv, env=env, start_new_session=True)
-        rc = child.wait()
-        if stop:
-            return 128 + stop[0]  # the ranks saved and stopped, as asked
-        if rc == 0:
-            return 0
-        more = attempt < restarts
-        print(
-            f"supervisor: attempt {attempt + 1} failed (exit {rc}); "
-            + ("restarting every rank from the newest checkpoint" if more else "no restarts left"),
-            flush=True,
-        )
-    return rc
-
-
-RESTART_COUNTS = ("PRETRAIN_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
-
-
 def cmd_train(args: argparse.Namespace) -> int:
-    supervise = args.max_restarts is not None or args.nproc_per_node is not None
-    world = None if supervise else launcher_world_size()  # a supervisor's ranks: only torchrun knows
-    if args.ds is None and world is not None:
+    if args.max_restarts is not None or args.nproc_per_node is not None:
+        if "RANK" not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
+            return supervise(
+                args.argv[1:],  # after `train`: the top-level parser has no options of its own
+                script=Path(__file__).resolve().parent / "main.py",
+                nproc_per_node=args.nproc_per_node or 1,
+                max_restarts=args.max_restarts or 0,
+            )
+    elif args.ds is None and (world := launcher_world_size()) is not None:
         # A typo in the config or a bad --set is reported now, in a fraction of a second, not after
         # torch and DeepSpeed have loaded (seconds). With a --ds JSON the check below runs
         # DeepSpeed's own validators too, so that one error lists every problem.
         _config(args, world, deepspeed=False)
     import torch.distributed as tdist  # torch and DeepSpeed: only for the commands that run them
 
-    from pretrain.data.dataset import MANIFEST
-    from pretrain.data.prepare import prepare
     from pretrain.training import engine
-    from pretrain.training.checkpoint import committed_tags
     from pretrain.training.loop import train
 
-    if supervise and "RANK" not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
-        return _supervise(args)
     dist = engine.launch_env()
     cfg = _config(args, dist.world_size)
     engine.init_distributed(dist, timeout_s=cfg.launch.collective_timeout_s)
-    # Rank 0 prepares the dataset if needed; the others wait and learn whether it worked.
-    error = [None]
-    if dist.is_main:
-        if not cfg.data.blend and not (cfg.data.resolved_dir() / MANIFEST).is_file():
-            dist.log(f"preparing {cfg.data.corpus} ({cfg.data.tokenizer}) into {cfg.data.resolved_dir()}")
-        try:
-            prepare(cfg.data)
-        except DataError as e:
-            error = [str(e)]  # type: ignore[list-item]
-    tdist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise DataError(error[0])
-    resume = args.resume
-    restarts = next((os.environ[v] for v in RESTART_COUNTS if os.environ.get(v, "").isdigit()), None)
-    # Restarted after a failure (train --max-restarts, torchrun, a requeued Slurm job): continue
-    # from the newest checkpoint.
-    if int(restarts or "0") > 0 and (
-        resume in (None, "auto") or committed_tags(cfg.run_dir() / cfg.checkpoint.dir)[0]
-    ):
-        resume = "auto"
+    _prepare_on_rank_0(cfg, dist)
     try:
-        result = train(cfg, dist, resume=resume)
+        result = train(cfg, dist, resume=_resume(args.resume, cfg))
     except PretrainError:
         # Every rank raises it alike; tear the groups down here, or gloo's threads abort at exit.
         tdist.destroy_process_group()
@@ -409,6 +338,38 @@ def cmd_train(args: argparse.Namespace) -> int:
     if result.stopped_by is not None:
         return 128 + int(getattr(signal, result.stopped_by))
     return 0
+
+
+def _prepare_on_rank_0(cfg: RunConfig, dist: Dist) -> None:
+    """Rank 0 prepares the dataset if needed; the others wait and learn whether it worked."""
+    import torch.distributed as tdist
+
+    from pretrain.data.dataset import MANIFEST
+    from pretrain.data.prepare import prepare
+
+    error: list[str | None] = [None]
+    if dist.is_main:
+        if not cfg.data.blend and not (cfg.data.resolved_dir() / MANIFEST).is_file():
+            dist.log(f"preparing {cfg.data.corpus} ({cfg.data.tokenizer}) into {cfg.data.resolved_dir()}")
+        try:
+            prepare(cfg.data)
+        except DataError as e:
+            error = [str(e)]
+    tdist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise DataError(error[0])
+
+
+def _resume(resume: str | None, cfg: RunConfig) -> str | None:
+    """--resume, or "auto" where this start is a restart after a failure (train --max-restarts,
+    torchrun, a requeued Slurm job): it continues from the newest checkpoint."""
+    from pretrain.training.checkpoint import committed_tags
+
+    if restart_count() > 0 and (
+        resume in (None, "auto") or committed_tags(cfg.run_dir() / cfg.checkpoint.dir)[0]
+    ):
+        return "auto"
+    return resume
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -784,6 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown and args.command not in ("launch-env", "preflight"):
         ap.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.unknown = unknown
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `train` passes its own on to the ranks
     try:
         return COMMANDS[args.command](args)
     except PretrainError as e:
