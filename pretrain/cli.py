@@ -35,7 +35,7 @@ from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
 from pretrain.config.presets import DS_CONFIG_RENDERS, PRESETS, build, build_checked
 from pretrain.config.tree import RunConfig, to_yaml
 from pretrain.errors import ConfigError, DataError, OutputError, PretrainError
-from pretrain.files import make_dir, write_atomic
+from pretrain.files import make_dir, not_ours, read_bytes, write_atomic
 
 if TYPE_CHECKING:
     from pretrain.training.engine import Dist
@@ -484,7 +484,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     for name, (preset, overrides, world) in DS_CONFIG_RENDERS.items():
         text = render_file(preset, overrides, world)
         path = Path(args.out_dir) / f"{name}.json"
-        if _read_bytes(path) == text.encode():
+        if read_bytes(path) == text.encode():
             continue
         stale.append(str(path))
         texts[path] = text
@@ -492,7 +492,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         make_dir(Path(args.out_dir), "--out-dir")
         # Only files this command wrote before are rewritten: a DeepSpeed JSON of another project
         # kept under one of these names is refused, never lost.
-        foreign = [str(p) for p in texts if (p.exists() or p.is_symlink()) and not _is_render(p)]
+        foreign = [str(p) for p in not_ours(texts, _is_render)]
         if foreign:
             raise OutputError(
                 f"--out-dir {args.out_dir}: {', '.join(foreign)} not written by `pretrain render`; refusing "
@@ -511,20 +511,13 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_bytes(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes() if path.is_file() else None
-    except OSError:
-        return None
-
-
-def _is_render(path: Path) -> bool:
+def _is_render(data: bytes) -> bool:
     """A DeepSpeed JSON `pretrain render` wrote: it carries our record of the run config."""
     try:
-        data = json.loads(_read_bytes(path) or b"")
+        ds = json.loads(data)
     except ValueError:
         return False
-    return isinstance(data, dict) and isinstance(data.get(RECORD), dict)
+    return isinstance(ds, dict) and isinstance(ds.get(RECORD), dict)
 
 
 def render_file(preset: str, overrides: list[str], world_size: int) -> str:
@@ -612,7 +605,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from pretrain.plot import plot_run  # matplotlib
 
-    if args.out and (data := _read_bytes(Path(args.out))) is not None and not data.startswith(b"\x89PNG"):
+    if args.out and not_ours([Path(args.out)], lambda data: data.startswith(b"\x89PNG")):
         raise OutputError(
             f"--out {args.out}: exists and is not a PNG; refusing to overwrite it: choose another file"
         )
@@ -656,18 +649,22 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def cmd_launch_env(args: argparse.Namespace) -> int:
-    text = env_file_text(launch_environment(_config(args, None, deepspeed=False).launch))
+    env = launch_environment(_config(args, None, deepspeed=False).launch)
+    text = env_file_text(env)
     if args.output:
         out = Path(args.output)
-        old = _read_bytes(out)
         # Rewritten only where it holds no more than this command writes: other settings are kept.
-        ours = set(launch_environment(_config(args, None, deepspeed=False).launch))
-        theirs = {
-            line.split("=", 1)[0].strip() for line in (old or b"").decode(errors="replace").splitlines()
-        }
-        lost = sorted(k for k in theirs - ours if k)
-        if (out.exists() or out.is_symlink()) and (old is None or lost):
-            what = f"settings this command does not write ({', '.join(lost[:4])})" if lost else "no env file"
+        ours = set(env)
+
+        def lost(data: bytes) -> list[str]:
+            theirs = {line.split("=", 1)[0].strip() for line in data.decode(errors="replace").splitlines()}
+            return sorted(k for k in theirs - ours if k)
+
+        if not_ours([out], lambda data: not lost(data)):
+            old = read_bytes(out)
+            what = (
+                f"settings this command does not write ({', '.join(lost(old)[:4])})" if old else "no env file"
+            )
             raise OutputError(
                 f"--output {out}: holds {what}; refusing to overwrite it: choose another file, or add these "
                 f"lines to it yourself:\n{text}"
