@@ -41,7 +41,9 @@ if TYPE_CHECKING:
     from pretrain.training.engine import Dist
 
 
-def _number(kind: type[int] | type[float], low: float, above: bool = False, high: float | None = None) -> Any:
+def _number(
+    kind: type[int] | type[float], low: float, *, above: bool = False, high: float | None = None
+) -> Any:
     """An argparse type: a `kind` number at least `low` (above it with `above`), at most `high`.
     A bad value is argparse's one-line error (exit 2), naming the flag and the range."""
     bound = f"{'above' if above else 'at least'} {low:g}" + (

@@ -125,6 +125,7 @@ def check_output_dir(
     is_previous: Callable[[Path], bool],
     what: str,
     flag: str,
+    *,
     sources: Sequence[Path] = (),
     no_inside: Sequence[Path] = (),
     error: type[PretrainError] = PretrainError,

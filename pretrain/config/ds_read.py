@@ -174,7 +174,7 @@ class Reading:
     notes: list[str] = field(default_factory=list)
     origin: dict[tuple[str, str], str] = field(default_factory=dict)
 
-    def put(self, where: str, section: str, key: str, value: Any, replace: bool = False) -> None:
+    def put(self, where: str, section: str, key: str, value: Any, *, replace: bool = False) -> None:
         """Set the tree's section.key from the JSON's `where`. "auto" keeps the tree's value; a value
         of the wrong type, out of bounds, or contradicting another key of the JSON is a problem."""
         if value == AUTO:
@@ -407,7 +407,7 @@ def _peak(r: Reading, where: str, lr: Any) -> float | None:
     return float(peak) if is_number(peak) and peak > 0 else None
 
 
-def _warmup(r: Reading, min_lr: Any, peak: float | None, steps: Any, where: str) -> None:
+def _warmup(r: Reading, *, min_lr: Any, peak: float | None, steps: Any, where: str) -> None:
     if is_number(min_lr) and peak is not None:
         if min_lr > peak:
             r.problems.append(f"{where}: {min_lr} is above the peak LR ({peak})")
@@ -420,7 +420,13 @@ def _warmup(r: Reading, min_lr: Any, peak: float | None, steps: Any, where: str)
 
 def _warmup_lr(r: Reading, a: dict[str, Any]) -> None:
     peak = _peak(r, "scheduler.params.warmup_max_lr", a["warmup_max_lr"])
-    _warmup(r, a["warmup_min_lr"], peak, a["warmup_num_steps"], "scheduler.params.warmup_min_lr")
+    _warmup(
+        r,
+        min_lr=a["warmup_min_lr"],
+        peak=peak,
+        steps=a["warmup_num_steps"],
+        where="scheduler.params.warmup_min_lr",
+    )
     r.put("scheduler.type", "schedule", "min_lr_ratio", 1.0)  # constant after warmup
 
 
@@ -435,7 +441,7 @@ def _warmup_cosine_lr(r: Reading, a: dict[str, Any]) -> None:
     r.put("scheduler.params.total_num_steps", "schedule", "max_steps", a["total_num_steps"])
     r.put("scheduler.params.warmup_min_ratio", "schedule", "warmup_start_ratio", a["warmup_min_ratio"])
     r.put("scheduler.params.cos_min_ratio", "schedule", "min_lr_ratio", a["cos_min_ratio"])
-    _warmup(r, None, None, a["warmup_num_steps"], "")
+    _warmup(r, min_lr=None, peak=None, steps=a["warmup_num_steps"], where="")
 
 
 def _one_cycle(r: Reading, a: dict[str, Any]) -> None:
@@ -728,6 +734,7 @@ def tree_from_deepspeed(
     ds: dict[str, Any],
     source: str = "DeepSpeed JSON",
     base: dict[str, Any] | None = None,
+    *,
     world_size: int | None = None,
     record: bool = True,
 ) -> dict[str, Any]:
