@@ -708,12 +708,26 @@ COMMANDS = {
 }
 
 
+class _Stderr:
+    """Whatever sys.stderr is when a line is written (a caller may have redirected it since)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _to_stderr(handler: logging.Handler) -> None:
+    if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
+        handler.setStream(_Stderr())
+
+
 class _StderrLogger(logging.Logger):
     """A logger whose handlers on stdout write to stderr instead."""
 
     def addHandler(self, hdlr: logging.Handler) -> None:
-        if isinstance(hdlr, logging.StreamHandler) and hdlr.stream in (sys.stdout, sys.__stdout__):
-            hdlr.setStream(sys.stderr)
+        _to_stderr(hdlr)
         super().addHandler(hdlr)
 
 
@@ -732,8 +746,7 @@ def deepspeed_logs_to_stderr() -> None:
     finally:
         logging.setLoggerClass(made)
     for h in log.handlers:
-        if isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.__stdout__):
-            h.setStream(sys.stderr)
+        _to_stderr(h)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -280,3 +280,24 @@ def test_machine_output_is_exactly_its_format_on_stdout(tmp_path, args, parse):
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert isinstance(parse(out.stdout), dict), out.stdout[:2000]
+
+
+def test_deepspeeds_log_lines_follow_stderr_where_a_caller_redirects_it(tmp_path):
+    """In-process callers of cli.main (the fuzz test) capture stderr per call: DeepSpeed's lines
+    land in the stderr of the moment, never on stdout."""
+    code = (
+        "import contextlib, io\n"
+        "from pretrain import cli\n"
+        "cli.deepspeed_logs_to_stderr()\n"
+        "from deepspeed.utils import logger\n"
+        "err = io.StringIO()\n"
+        "with contextlib.redirect_stderr(err):\n"
+        "    logger.warning('a DeepSpeed warning')\n"
+        "print('captured:', 'a DeepSpeed warning' in err.getvalue())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=detected_accelerator_env(),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "captured: True\n", out.stdout + out.stderr
