@@ -116,7 +116,8 @@ def main() -> None:
             )
         )
         rates = resolve_rates(cfg, args.nproc, args.nproc, busbw_gbs=busbw / 1e9, from_runs=calibration)
-        t = predict_step(cfg, args.nproc, *variant, rates)
+        stage, off, par = variant
+        t = predict_step(cfg, args.nproc, stage=stage, offload_optimizer=off, offload_param=par, rates=rates)
         rows.append((variant, t, measured[variant]))
     lines = [
         f"`small` preset, {args.nproc} gloo ranks on this CPU, {args.steps} steps each; rates from the "

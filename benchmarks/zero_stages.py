@@ -312,7 +312,7 @@ def predictions(micro: int, world: int, bucket: int, work: Path) -> dict[tuple[i
     )
     n = analytic_num_params(cfg.model)
     preds = {}
-    for plan in plan_stages(cfg, world, None):
+    for plan in plan_stages(cfg, world, device_gb=None):
         states = plan.model_states_gb + plan.host_gb
         preds[(plan.stage, plan.offload)] = {
             "states_gb": states,

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pretrain.cluster.launch import (
     env_file_text,
@@ -29,15 +29,21 @@ from pretrain.cluster.launch import (
     read_hostfile,
     world_size,
 )
+from pretrain.cluster.supervise import restart_count, supervise
 from pretrain.config.ds_keys import RECORD
 from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
 from pretrain.config.presets import DS_CONFIG_RENDERS, PRESETS, build, build_checked
 from pretrain.config.tree import RunConfig, to_yaml
 from pretrain.errors import ConfigError, DataError, OutputError, PretrainError
-from pretrain.files import make_dir, write_atomic
+from pretrain.files import make_dir, not_ours, read_bytes, write_atomic
+
+if TYPE_CHECKING:
+    from pretrain.training.engine import Dist
 
 
-def _number(kind: type[int] | type[float], low: float, above: bool = False, high: float | None = None) -> Any:
+def _number(
+    kind: type[int] | type[float], low: float, *, above: bool = False, high: float | None = None
+) -> Any:
     """An argparse type: a `kind` number at least `low` (above it with `above`), at most `high`.
     A bad value is argparse's one-line error (exit 2), naming the flag and the range."""
     bound = f"{'above' if above else 'at least'} {low:g}" + (
@@ -298,105 +304,31 @@ def _add_checkpoint_parsers(sub: Any) -> None:
     )
 
 
-def _supervise(args: argparse.Namespace) -> int:
-    """`train --nproc-per-node K --max-restarts N`: run K ranks under torchrun; when any rank dies
-    (torchrun then stops the others), start them all again from the newest checkpoint, up to N times.
-
-    Each attempt is a fresh torchrun: torchrun's own --max-restarts reuses its rendezvous store,
-    whose stale keys from the failed attempt can break the gloo groups of the next. A SIGTERM or
-    SIGINT is passed on to the ranks (which save and stop) and ends the supervision."""
-    fwd, skip = [], False
-    raw = sys.argv[1:]
-    raw = raw[raw.index("train") + 1 :] if "train" in raw else raw
-    for a in raw:
-        if skip:
-            skip = False
-        elif a in ("--max-restarts", "--nproc-per-node"):
-            skip = True
-        elif not a.startswith(("--max-restarts=", "--nproc-per-node=")):
-            fwd.append(a)
-    argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(args.nproc_per_node or 1),
-        str(Path(__file__).resolve().parent / "main.py"), *fwd,
-    ]  # fmt: skip
-    stop: list[int] = []
-    child: subprocess.Popen[bytes] | None = None
-
-    def forward(signum: int, frame: Any) -> None:
-        stop.append(signum)
-        if child is not None and child.poll() is None:
-            child.send_signal(signum)
-
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, forward)
-    rc = 1
-    restarts = args.max_restarts or 0
-    for attempt in range(restarts + 1):
-        print(f"supervisor: attempt {attempt + 1} of {restarts + 1}: {' '.join(argv[1:])}", flush=True)
-        # A session of its own, so that a terminal's Ctrl-C reaches the ranks once, through us.
-        env = {**os.environ, "PRETRAIN_RESTART_COUNT": str(attempt)}
-        child = subprocess.Popen(argv, env=env, start_new_session=True)
-        rc = child.wait()
-        if stop:
-            return 128 + stop[0]  # the ranks saved and stopped, as asked
-        if rc == 0:
-            return 0
-        more = attempt < restarts
-        print(
-            f"supervisor: attempt {attempt + 1} failed (exit {rc}); "
-            + ("restarting every rank from the newest checkpoint" if more else "no restarts left"),
-            flush=True,
-        )
-    return rc
-
-
-RESTART_COUNTS = ("PRETRAIN_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
-
-
 def cmd_train(args: argparse.Namespace) -> int:
-    supervise = args.max_restarts is not None or args.nproc_per_node is not None
-    world = None if supervise else launcher_world_size()  # a supervisor's ranks: only torchrun knows
-    if args.ds is None and world is not None:
+    if args.max_restarts is not None or args.nproc_per_node is not None:
+        if "RANK" not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
+            return supervise(
+                args.argv[1:],  # after `train`: the top-level parser has no options of its own
+                script=Path(__file__).resolve().parent / "main.py",
+                nproc_per_node=args.nproc_per_node or 1,
+                max_restarts=args.max_restarts or 0,
+            )
+    elif args.ds is None and (world := launcher_world_size()) is not None:
         # A typo in the config or a bad --set is reported now, in a fraction of a second, not after
         # torch and DeepSpeed have loaded (seconds). With a --ds JSON the check below runs
         # DeepSpeed's own validators too, so that one error lists every problem.
         _config(args, world, deepspeed=False)
     import torch.distributed as tdist  # torch and DeepSpeed: only for the commands that run them
 
-    from pretrain.data.dataset import MANIFEST
-    from pretrain.data.prepare import prepare
     from pretrain.training import engine
-    from pretrain.training.checkpoint import committed_tags
     from pretrain.training.loop import train
 
-    if supervise and "RANK" not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
-        return _supervise(args)
     dist = engine.launch_env()
     cfg = _config(args, dist.world_size)
     engine.init_distributed(dist, timeout_s=cfg.launch.collective_timeout_s)
-    # Rank 0 prepares the dataset if needed; the others wait and learn whether it worked.
-    error = [None]
-    if dist.is_main:
-        if not cfg.data.blend and not (cfg.data.resolved_dir() / MANIFEST).is_file():
-            dist.log(f"preparing {cfg.data.corpus} ({cfg.data.tokenizer}) into {cfg.data.resolved_dir()}")
-        try:
-            prepare(cfg.data)
-        except DataError as e:
-            error = [str(e)]  # type: ignore[list-item]
-    tdist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise DataError(error[0])
-    resume = args.resume
-    restarts = next((os.environ[v] for v in RESTART_COUNTS if os.environ.get(v, "").isdigit()), None)
-    # Restarted after a failure (train --max-restarts, torchrun, a requeued Slurm job): continue
-    # from the newest checkpoint.
-    if int(restarts or "0") > 0 and (
-        resume in (None, "auto") or committed_tags(cfg.run_dir() / cfg.checkpoint.dir)[0]
-    ):
-        resume = "auto"
+    _prepare_on_rank_0(cfg, dist)
     try:
-        result = train(cfg, dist, resume=resume)
+        result = train(cfg, dist, resume=_resume(args.resume, cfg))
     except PretrainError:
         # Every rank raises it alike; tear the groups down here, or gloo's threads abort at exit.
         tdist.destroy_process_group()
@@ -408,6 +340,38 @@ def cmd_train(args: argparse.Namespace) -> int:
     if result.stopped_by is not None:
         return 128 + int(getattr(signal, result.stopped_by))
     return 0
+
+
+def _prepare_on_rank_0(cfg: RunConfig, dist: Dist) -> None:
+    """Rank 0 prepares the dataset if needed; the others wait and learn whether it worked."""
+    import torch.distributed as tdist
+
+    from pretrain.data.dataset import MANIFEST
+    from pretrain.data.prepare import prepare
+
+    error: list[str | None] = [None]
+    if dist.is_main:
+        if not cfg.data.blend and not (cfg.data.resolved_dir() / MANIFEST).is_file():
+            dist.log(f"preparing {cfg.data.corpus} ({cfg.data.tokenizer}) into {cfg.data.resolved_dir()}")
+        try:
+            prepare(cfg.data)
+        except DataError as e:
+            error = [str(e)]
+    tdist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise DataError(error[0])
+
+
+def _resume(resume: str | None, cfg: RunConfig) -> str | None:
+    """--resume, or "auto" where this start is a restart after a failure (train --max-restarts,
+    torchrun, a requeued Slurm job): it continues from the newest checkpoint."""
+    from pretrain.training.checkpoint import committed_tags
+
+    if restart_count() > 0 and (
+        resume in (None, "auto") or committed_tags(cfg.run_dir() / cfg.checkpoint.dir)[0]
+    ):
+        return "auto"
+    return resume
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -522,7 +486,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     for name, (preset, overrides, world) in DS_CONFIG_RENDERS.items():
         text = render_file(preset, overrides, world)
         path = Path(args.out_dir) / f"{name}.json"
-        if _read_bytes(path) == text.encode():
+        if read_bytes(path) == text.encode():
             continue
         stale.append(str(path))
         texts[path] = text
@@ -530,7 +494,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         make_dir(Path(args.out_dir), "--out-dir")
         # Only files this command wrote before are rewritten: a DeepSpeed JSON of another project
         # kept under one of these names is refused, never lost.
-        foreign = [str(p) for p in texts if (p.exists() or p.is_symlink()) and not _is_render(p)]
+        foreign = [str(p) for p in not_ours(texts, _is_render)]
         if foreign:
             raise OutputError(
                 f"--out-dir {args.out_dir}: {', '.join(foreign)} not written by `pretrain render`; refusing "
@@ -549,20 +513,13 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_bytes(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes() if path.is_file() else None
-    except OSError:
-        return None
-
-
-def _is_render(path: Path) -> bool:
+def _is_render(data: bytes) -> bool:
     """A DeepSpeed JSON `pretrain render` wrote: it carries our record of the run config."""
     try:
-        data = json.loads(_read_bytes(path) or b"")
+        ds = json.loads(data)
     except ValueError:
         return False
-    return isinstance(data, dict) and isinstance(data.get(RECORD), dict)
+    return isinstance(ds, dict) and isinstance(ds.get(RECORD), dict)
 
 
 def render_file(preset: str, overrides: list[str], world_size: int) -> str:
@@ -650,7 +607,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from pretrain.plot import plot_run  # matplotlib
 
-    if args.out and (data := _read_bytes(Path(args.out))) is not None and not data.startswith(b"\x89PNG"):
+    if args.out and not_ours([Path(args.out)], lambda data: data.startswith(b"\x89PNG")):
         raise OutputError(
             f"--out {args.out}: exists and is not a PNG; refusing to overwrite it: choose another file"
         )
@@ -694,18 +651,22 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def cmd_launch_env(args: argparse.Namespace) -> int:
-    text = env_file_text(launch_environment(_config(args, None, deepspeed=False).launch))
+    env = launch_environment(_config(args, None, deepspeed=False).launch)
+    text = env_file_text(env)
     if args.output:
         out = Path(args.output)
-        old = _read_bytes(out)
         # Rewritten only where it holds no more than this command writes: other settings are kept.
-        ours = set(launch_environment(_config(args, None, deepspeed=False).launch))
-        theirs = {
-            line.split("=", 1)[0].strip() for line in (old or b"").decode(errors="replace").splitlines()
-        }
-        lost = sorted(k for k in theirs - ours if k)
-        if (out.exists() or out.is_symlink()) and (old is None or lost):
-            what = f"settings this command does not write ({', '.join(lost[:4])})" if lost else "no env file"
+        ours = set(env)
+
+        def lost(data: bytes) -> list[str]:
+            theirs = {line.split("=", 1)[0].strip() for line in data.decode(errors="replace").splitlines()}
+            return sorted(k for k in theirs - ours if k)
+
+        if not_ours([out], lambda data: not lost(data)):
+            old = read_bytes(out)
+            what = (
+                f"settings this command does not write ({', '.join(lost(old)[:4])})" if old else "no env file"
+            )
             raise OutputError(
                 f"--output {out}: holds {what}; refusing to overwrite it: choose another file, or add these "
                 f"lines to it yourself:\n{text}"
@@ -747,13 +708,56 @@ COMMANDS = {
 }
 
 
+class _Stderr:
+    """Whatever sys.stderr is when a line is written (a caller may have redirected it since)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _to_stderr(handler: logging.Handler) -> None:
+    if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
+        handler.setStream(_Stderr())
+
+
+class _StderrLogger(logging.Logger):
+    """A logger whose handlers on stdout write to stderr instead."""
+
+    def addHandler(self, hdlr: logging.Handler) -> None:
+        _to_stderr(hdlr)
+        super().addHandler(hdlr)
+
+
+def deepspeed_logs_to_stderr() -> None:
+    """DeepSpeed's log lines ("Setting accelerator to CPU", its warnings) go to stderr: stdout is the
+    commands' own output, which for `render`, `config` and `plan --json` is exactly JSON or YAML.
+
+    DeepSpeed gives its logger a handler on sys.stdout when it is first imported; the logger is made
+    here first, before any command imports DeepSpeed (this imports neither torch nor DeepSpeed), of
+    a class that turns such a handler to stderr. Where DeepSpeed is loaded already, its handlers are
+    turned now."""
+    made = logging.getLoggerClass()
+    logging.setLoggerClass(_StderrLogger)
+    try:
+        log = logging.getLogger("DeepSpeed")  # deepspeed/utils/logging.py's name
+    finally:
+        logging.setLoggerClass(made)
+    for h in log.handlers:
+        _to_stderr(h)
+
+
 def main(argv: list[str] | None = None) -> int:
+    deepspeed_logs_to_stderr()
     ap = parser()
     args, unknown = ap.parse_known_args(argv)
     # launch-env and preflight take `train`'s arguments (launch/*.sh pass them on), whatever they are.
     if unknown and args.command not in ("launch-env", "preflight"):
         ap.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.unknown = unknown
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `train` passes its own on to the ranks
     try:
         return COMMANDS[args.command](args)
     except PretrainError as e:

@@ -5,7 +5,8 @@ its final one, flushed and fsynced, renamed into place, and its directory fsynce
 moment leaves the previous file (or none), never a torn one. A directory built in one piece (a
 dataset, an export, a universal checkpoint) is staged beside its final name and swapped in by
 `replace_dir`, and only over a new or empty directory or a previous output of the same command
-(`check_output_dir`): never over what a person put there.
+(`check_output_dir`); a single file likewise only over none or a previous output (`not_ours`):
+never over what a person put there.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import csv
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -124,6 +125,7 @@ def check_output_dir(
     is_previous: Callable[[Path], bool],
     what: str,
     flag: str,
+    *,
     sources: Sequence[Path] = (),
     no_inside: Sequence[Path] = (),
     error: type[PretrainError] = PretrainError,
@@ -156,6 +158,25 @@ def check_output_dir(
             f"{flag} {out}: holds files that are not a previous {what} ({listed}); refusing to replace "
             f"them: choose a new or empty directory for {flag}"
         )
+
+
+def read_bytes(path: Path) -> bytes | None:
+    """The bytes of the regular file at `path`; None where there is none or it cannot be read."""
+    try:
+        return path.read_bytes() if path.is_file() else None
+    except OSError:
+        return None
+
+
+def not_ours(paths: Iterable[Path], is_previous: Callable[[bytes], bool]) -> list[Path]:
+    """Of the files a command is about to write, those it must not overwrite: something is there
+    (a file, a directory, a link) that is not a readable previous output of the command
+    (`is_previous`, on its bytes). The caller's error names them and the setting to change."""
+    return [
+        p
+        for p in paths
+        if (p.exists() or p.is_symlink()) and ((data := read_bytes(p)) is None or not is_previous(data))
+    ]
 
 
 def format_bytes(n: float) -> str:

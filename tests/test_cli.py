@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import ROOT, TINY_SHAKESPEARE, subprocess_env
 
@@ -251,3 +252,50 @@ def test_duplicate_keys_and_binary_files_are_one_screen_errors(tmp_path, capsys)
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("error: ") and needle in err and "Traceback" not in err, err
+
+
+def detected_accelerator_env() -> dict[str, str]:
+    """The environment without DS_ACCELERATOR: DeepSpeed detects the accelerator itself, and on a
+    machine without a GPU logs "Setting accelerator to CPU" as it loads."""
+    return {k: v for k, v in subprocess_env().items() if k != "DS_ACCELERATOR"}
+
+
+@pytest.mark.parametrize(
+    ("args", "parse"),
+    [
+        (["render"], json.loads),
+        (["render", "--preset", "gpt2-124m", "--world-size", "8"], json.loads),
+        (["plan", "--json"], json.loads),
+        (["config"], yaml.safe_load),
+        (["config", "--ds", str(ROOT / "ds_configs" / "zero2.json")], yaml.safe_load),
+    ],
+)
+def test_machine_output_is_exactly_its_format_on_stdout(tmp_path, args, parse):
+    """`pretrain render | python -m json.tool` works: DeepSpeed's log lines go to stderr."""
+    out = subprocess.run(
+        [str(BIN / "pretrain"), *args], cwd=tmp_path, env=detected_accelerator_env(),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert isinstance(parse(out.stdout), dict), out.stdout[:2000]
+
+
+def test_deepspeeds_log_lines_follow_stderr_where_a_caller_redirects_it(tmp_path):
+    """In-process callers of cli.main (the fuzz test) capture stderr per call: DeepSpeed's lines
+    land in the stderr of the moment, never on stdout."""
+    code = (
+        "import contextlib, io\n"
+        "from pretrain import cli\n"
+        "cli.deepspeed_logs_to_stderr()\n"
+        "from deepspeed.utils import logger\n"
+        "err = io.StringIO()\n"
+        "with contextlib.redirect_stderr(err):\n"
+        "    logger.warning('a DeepSpeed warning')\n"
+        "print('captured:', 'a DeepSpeed warning' in err.getvalue())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=detected_accelerator_env(),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "captured: True\n", out.stdout + out.stderr

@@ -37,6 +37,18 @@ def test_defaults_are_valid_and_resolve_the_batch():
     assert cfg.optimizer.grad_clip == 1.0
 
 
+def test_the_batch_reads_as_an_int_once_resolved():
+    resolved = validate({"batch": {"micro_batch_size": 4, "gradient_accumulation_steps": 3}}, world_size=2)
+    assert resolved.batch.sequences == 4 * 3 * 2
+    assert resolved.batch.model_dump()["train_batch_size"] == 24  # derived in the tree, as rendered
+    unresolved = validate({})
+    assert unresolved.batch.data_parallel_size is None and unresolved.batch.train_batch_size is None
+    with pytest.raises(ConfigError, match="unresolved: pass a world size"):
+        _ = unresolved.batch.sequences
+    given = validate({"batch": {"micro_batch_size": 4, "data_parallel_size": 2}})  # no world size needed
+    assert given.batch.sequences == 8
+
+
 def test_every_field_has_a_description():
     def walk(model: type) -> list[str]:
         missing = []

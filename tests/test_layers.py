@@ -101,7 +101,7 @@ def test_no_import_cycle():
     [
         "pretrain.config.tree, pretrain.config.presets, pretrain.config.ds_render, pretrain.config.ds_read",
         "pretrain.data.prepare, pretrain.data.corpus, pretrain.data.dataset",
-        "pretrain.cluster.launch, pretrain.cluster.probe",
+        "pretrain.cluster.launch, pretrain.cluster.probe, pretrain.cluster.supervise",
         "pretrain.plot",
         "pretrain.cli",
     ],

@@ -29,17 +29,23 @@ from pretrain.errors import ConfigError
     [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)],
 )
 def test_model_states_match_the_zero_paper(stage, expected_gb):
-    params, grads, optim, host = model_states(7_500_000_000, stage, 64, "bf16", False, False)
+    params, grads, optim, host = model_states(
+        7_500_000_000, stage=stage, world=64, precision="bf16", offload_optimizer=False, offload_param=False
+    )
     assert host == 0
     assert (params + grads + optim) / 1e9 == pytest.approx(expected_gb, abs=0.05)
 
 
 def test_offload_moves_optimizer_state_and_params_to_the_host():
     psi, n = 1_000_000, 4
-    p, g, o, host = model_states(psi, 2, n, "bf16", True, False)
+    p, g, o, host = model_states(
+        psi, stage=2, world=n, precision="bf16", offload_optimizer=True, offload_param=False
+    )
     assert (p, g, o) == (2 * psi, 2 * psi / n, 0)  # the gradient partition stays on the device
     assert host == pytest.approx((12 + 4) * psi / n)  # fp32 state + an fp32 copy of the gradients
-    p, g, o, host = model_states(psi, 3, n, "bf16", True, True)
+    p, g, o, host = model_states(
+        psi, stage=3, world=n, precision="bf16", offload_optimizer=True, offload_param=True
+    )
     assert (p, g, o) == (0, 2 * psi / n, 0)
     assert host == pytest.approx((12 + 4 + 2) * psi / n)
 
@@ -47,8 +53,22 @@ def test_offload_moves_optimizer_state_and_params_to_the_host():
 def test_fp32_bytes_per_parameter():
     psi = 1000
     # stage 0 with torch AdamW: 4 + 4 + 8; stages 1-3: DeepSpeed's fp32 partition copy adds 4
-    assert sum(model_states(psi, 0, 2, "fp32", False, False)) == 16 * psi
-    assert sum(model_states(psi, 3, 2, "fp32", False, False)) == 20 * psi / 2
+    assert (
+        sum(
+            model_states(
+                psi, stage=0, world=2, precision="fp32", offload_optimizer=False, offload_param=False
+            )
+        )
+        == 16 * psi
+    )
+    assert (
+        sum(
+            model_states(
+                psi, stage=3, world=2, precision="fp32", offload_optimizer=False, offload_param=False
+            )
+        )
+        == 20 * psi / 2
+    )
 
 
 def test_communication_volume():
@@ -61,11 +81,17 @@ def test_communication_volume():
 def test_compared_with_deepspeeds_estimators():
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    dev, host = deepspeed_estimate(10**9, 10**8, 2, 16, 8, False, False)
+    dev, host = deepspeed_estimate(
+        10**9, 10**8, stage=2, world=16, gpus_per_node=8, offload_optimizer=False, offload_param=False
+    )
     cpu, gpu = estimate_zero2_model_states_mem_needs(10**9, 8, 2, cpu_offload=False)
     assert (dev, host) == (gpu, cpu)
-    assert deepspeed_estimate(10**9, 10**8, 0, 16, 8, False, False) == (None, None)
-    dev3, _ = deepspeed_estimate(10**9, 10**8, 3, 16, 8, True, True)
+    assert deepspeed_estimate(
+        10**9, 10**8, stage=0, world=16, gpus_per_node=8, offload_optimizer=False, offload_param=False
+    ) == (None, None)
+    dev3, _ = deepspeed_estimate(
+        10**9, 10**8, stage=3, world=16, gpus_per_node=8, offload_optimizer=True, offload_param=True
+    )
     assert dev3 == 4 * 10**8  # DeepSpeed: the largest layer only
 
 
@@ -132,7 +158,7 @@ def test_step_time_adds_compute_exposed_communication_and_the_optimizer():
     n = analytic_num_params(m)
     tokens = b.micro_batch_size * b.gradient_accumulation_steps * m.block_size
     compute = analytic_flops_per_token(m) * tokens / (100e12 * 0.5)
-    t0 = predict_step(cfg, 16, 0, False, False, rates())
+    t0 = predict_step(cfg, 16, stage=0, offload_optimizer=False, offload_param=False, rates=rates())
     assert t0.compute_s == pytest.approx(compute)
     # stage 0: an all-reduce of 2Ψ fp32... in bf16 here: 2 bytes, ring factor (N-1)/N, after backward
     assert t0.comm_s == pytest.approx(2 * n * 2 * 15 / 16 / 10e9) and t0.exposed_comm_s == t0.comm_s
@@ -140,14 +166,19 @@ def test_step_time_adds_compute_exposed_communication_and_the_optimizer():
     assert t0.step_s == pytest.approx(t0.compute_s + t0.comm_s + t0.optimizer_s)
     assert t0.days == pytest.approx(t0.step_s * cfg.schedule.max_steps / 86400)
     assert t0.tokens_per_s == pytest.approx(tokens * 16 / t0.step_s)
-    t2 = predict_step(cfg, 16, 2, False, False, rates())
+    t2 = predict_step(cfg, 16, stage=2, offload_optimizer=False, offload_param=False, rates=rates())
     assert t2.exposed_comm_s == 0.0  # hidden by backward at this bandwidth
     assert t2.optimizer_s == pytest.approx(n / 16 * 1e-10)  # the partition only
-    slow = predict_step(cfg, 16, 2, False, False, rates(busbw=1e6))
+    slow = predict_step(
+        cfg, 16, stage=2, offload_optimizer=False, offload_param=False, rates=rates(busbw=1e6)
+    )
     assert slow.exposed_comm_s == pytest.approx(slow.comm_s - 2 / 3 * slow.compute_s)
-    off = predict_step(cfg, 16, 2, True, False, rates())
+    off = predict_step(cfg, 16, stage=2, offload_optimizer=True, offload_param=False, rates=rates())
     assert off.optimizer_s == pytest.approx(n / 16 * 1e-9) and off.offload == "optimizer"
-    assert predict_step(cfg, 1, 0, False, False, rates()).comm_s == 0.0  # one rank: nothing to reduce
+    assert (
+        predict_step(cfg, 1, stage=0, offload_optimizer=False, offload_param=False, rates=rates()).comm_s
+        == 0.0
+    )  # one rank: nothing to reduce
 
 
 def test_rates_from_a_previous_run(tmp_path):
@@ -166,7 +197,9 @@ def test_rates_from_a_previous_run(tmp_path):
     assert "fwd" not in r.sources["mfu"] and str(tmp_path) in r.sources["mfu"]
     assert r.sources["busbw"] == "--busbw" and r.sources["peak"] == "--peak-tflops"
     # the prediction for the run's own config gives back its measured step (first row skipped)
-    assert predict_step(cfg, 2, 0, False, False, r).step_s == pytest.approx(2.1 + 0.02, rel=1e-6)
+    assert predict_step(
+        cfg, 2, stage=0, offload_optimizer=False, offload_param=False, rates=r
+    ).step_s == pytest.approx(2.1 + 0.02, rel=1e-6)
     with pytest.raises(ConfigError, match="not a finished run's directory"):
         resolve_rates(cfg, 2, 2, device="cpu", peak_tflops=0.1, from_runs=[tmp_path / "nothing"])
     with pytest.raises(ConfigError, match="--device B200: not in the peak table"):

@@ -10,6 +10,7 @@ import subprocess
 import pytest
 import torch
 
+from pretrain.cluster.supervise import rank_arguments, restart_count
 from pretrain.training import checkpoint
 from tests.conftest import BIN, CORPUS, ROOT, SUPERVISED, cli, subprocess_env
 
@@ -79,3 +80,32 @@ def test_sigterm_to_a_supervised_run_saves_and_stops(char_dataset, tmp_path):
     tags, _ = checkpoint.committed_tags(run / "checkpoints")
     assert len(tags) == 1 and f"stopped by SIGTERM at step {checkpoint.step_of(tags[0])};" in out
     assert checkpoint.verify(run / "checkpoints" / tags[0]) == []
+
+
+def test_the_ranks_get_trains_arguments_but_the_supervisors():
+    """`train`'s arguments pass on to the ranks in order, with or without '=', without the two the
+    supervisor reads (abbreviated as argparse allows, as the command line took them)."""
+    given = [
+        "--set", "a=1", "--max-restarts", "3", "--resume", "--nproc-per-node=2", "--ds", "x.json",
+        "--set=b=-1", "--max-r=1", "--set", "c=--nproc-per-node",
+    ]  # fmt: skip
+    assert rank_arguments(given) == [
+        "--set", "a=1", "--resume", "--ds", "x.json", "--set=b=-1", "--set", "c=--nproc-per-node",
+    ]  # fmt: skip
+
+
+def test_restart_count_reads_the_supervisors_torchruns_and_slurms():
+    import os
+
+    names = ("PRETRAIN_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+    saved = {k: os.environ.pop(k) for k in names if k in os.environ}
+    try:
+        assert restart_count() == 0
+        os.environ["SLURM_RESTART_COUNT"] = "2"
+        assert restart_count() == 2
+        os.environ["PRETRAIN_RESTART_COUNT"] = "x"  # not a count: the next variable's
+        assert restart_count() == 2
+    finally:
+        for k in names:
+            os.environ.pop(k, None)
+        os.environ.update(saved)

@@ -123,7 +123,7 @@ def largest_layer_params(cfg: RunConfig) -> int:
 
 
 def model_states(
-    n_params: int, stage: int, world: int, precision: str, offload_optimizer: bool, offload_param: bool
+    n_params: int, *, stage: int, world: int, precision: str, offload_optimizer: bool, offload_param: bool
 ) -> tuple[float, float, float, float]:
     """(params, grads, optimizer) bytes on the device and bytes on the host, per rank."""
     p, g, k = bytes_per_param(precision, stage)
@@ -143,7 +143,7 @@ def model_states(
     return params, grads, optim, host
 
 
-def working_bytes(cfg: RunConfig, n_params: int, stage: int, world: int) -> float:
+def working_bytes(cfg: RunConfig, n_params: int, *, stage: int, world: int) -> float:
     """Buffers DeepSpeed adds on the device while it reduces gradients (read from its sources):
 
     - stage 0: the gradients flattened into one all-reduce buffer of up to 5e8 elements (none with
@@ -232,14 +232,21 @@ def elem_bytes(precision: str) -> int:
 
 
 def predict_step(
-    cfg: RunConfig, world: int, stage: int, offload_optimizer: bool, offload_param: bool, rates: Rates
+    cfg: RunConfig, world: int, *, stage: int, offload_optimizer: bool, offload_param: bool, rates: Rates
 ) -> StepTime:
     """One optimizer step of `cfg` at this stage and offload, on `world` ranks."""
     m, b = cfg.model, cfg.batch
     n = analytic_num_params(m)
     tokens = b.micro_batch_size * b.gradient_accumulation_steps * m.block_size  # per rank
     compute = hardware_flops_per_token(m) * tokens / (rates.peak_tflops * 1e12 * rates.mfu)
-    comm = comm_seconds(n, stage, b.gradient_accumulation_steps, cfg.precision.name, world, rates.busbw)
+    comm = comm_seconds(
+        n,
+        stage=stage,
+        grad_accum=b.gradient_accumulation_steps,
+        precision=cfg.precision.name,
+        world=world,
+        busbw=rates.busbw,
+    )
     window = 0.0
     if cfg.zero.overlap_comm:
         window = {2: 2 / 3 * compute, 3: compute}.get(stage, 0.0)
@@ -262,7 +269,7 @@ def predict_step(
 
 
 def comm_seconds(
-    n_params: int, stage: int, grad_accum: int, precision: str, world: int, busbw: float
+    n_params: int, *, stage: int, grad_accum: int, precision: str, world: int, busbw: float
 ) -> float:
     """A step's communication at `busbw`: the ZeRO paper's bytes (an all-reduce of X counted as
     2X) times (N-1)/N, as a ring moves them."""
@@ -283,6 +290,7 @@ def resolve_rates(
     cfg: RunConfig,
     world: int,
     ranks_per_node: int,
+    *,
     device: str | None = None,
     peak_tflops: float | None = None,
     mfu: float | None = None,
@@ -307,7 +315,7 @@ def resolve_rates(
     else:
         peak, src["peak"] = _local_peak(cfg, ranks_per_node)
     multinode = world > ranks_per_node
-    busbw, src["busbw"] = _busbw(cfg, world, kind, multinode, busbw_gbs)
+    busbw, src["busbw"] = _busbw(cfg, world, kind, multinode=multinode, given=busbw_gbs)
     rates = Rates(
         peak_tflops=peak,
         mfu=ASSUMED_MFU,
@@ -344,7 +352,9 @@ def _local_peak(cfg: RunConfig, ranks_per_node: int) -> tuple[float, str]:
     return peak, source
 
 
-def _busbw(cfg: RunConfig, world: int, kind: str, multinode: bool, given: float | None) -> tuple[float, str]:
+def _busbw(
+    cfg: RunConfig, world: int, kind: str, *, multinode: bool, given: float | None
+) -> tuple[float, str]:
     if given is not None:
         return given * 1e9, "--busbw"
     path = cfg.run_dir() / PREFLIGHT_FILE
@@ -374,7 +384,14 @@ def _calibrate(rates: Rates, run_dir: Path) -> float:
     m, b, z = run.model, run.batch, run.zero
     world = b.data_parallel_size or 1
     n = analytic_num_params(m)
-    comm = comm_seconds(n, z.stage, b.gradient_accumulation_steps, run.precision.name, world, rates.busbw)
+    comm = comm_seconds(
+        n,
+        stage=z.stage,
+        grad_accum=b.gradient_accumulation_steps,
+        precision=run.precision.name,
+        world=world,
+        busbw=rates.busbw,
+    )
     exposed = comm if z.stage < 2 or not z.overlap_comm else 0.0  # inside backward, or hidden by it
     compute = max(fwd_bwd - exposed, 1e-9)
     tokens = b.micro_batch_size * b.gradient_accumulation_steps * m.block_size
@@ -390,6 +407,7 @@ def _calibrate(rates: Rates, run_dir: Path) -> float:
 def deepspeed_estimate(
     n_params: int,
     largest: int,
+    *,
     stage: int,
     world: int,
     gpus_per_node: int,
@@ -426,6 +444,7 @@ def deepspeed_estimate(
 def plan_stages(
     cfg: RunConfig,
     world: int,
+    *,
     device_gb: float | None,
     gpus_per_node: int | None = None,
     host_gb: float | None = None,
@@ -437,12 +456,20 @@ def plan_stages(
     act = activation_bytes(cfg)
     out = []
     for stage, off, par in VARIANTS:
-        params, grads, optim, host = model_states(n, stage, world, precision, off, par)
-        working = working_bytes(cfg, n, stage, world)
+        params, grads, optim, host = model_states(
+            n, stage=stage, world=world, precision=precision, offload_optimizer=off, offload_param=par
+        )
+        working = working_bytes(cfg, n, stage=stage, world=world)
         states = params + grads + optim
         total = states + act + working
         ds_dev, ds_host = deepspeed_estimate(
-            n, largest, stage, world, gpus_per_node or min(world, 8), off, par
+            n,
+            largest,
+            stage=stage,
+            world=world,
+            gpus_per_node=gpus_per_node or min(world, 8),
+            offload_optimizer=off,
+            offload_param=par,
         )
         out.append(
             StagePlan(
@@ -500,7 +527,7 @@ def render_plan(cfg: RunConfig, to: Target, rates: Rates | None = None) -> str:
     world, device_gb = to.world, to.device_gb
     b, m = cfg.batch, cfg.model
     n = analytic_num_params(m)
-    tbs = b.train_batch_size or 0
+    tbs = b.sequences
     lines = [
         f"{cfg.preset}: {n / 1e6:.2f}M parameters (Ψ), {m.arch}, {m.n_layer} layers, n_embd {m.n_embd}, "
         f"context {m.block_size}, vocab {m.vocab_size}, {cfg.precision.name}",
@@ -523,7 +550,9 @@ def render_plan(cfg: RunConfig, to: Target, rates: Rates | None = None) -> str:
     )
     lines += [header, "-" * len(header)]
     chosen = (cfg.zero.stage, cfg.zero.offload_optimizer, cfg.zero.offload_param)
-    for p in plan_stages(cfg, world, device_gb, to.ranks_per_node, to.host_gb):
+    for p in plan_stages(
+        cfg, world, device_gb=device_gb, gpus_per_node=to.ranks_per_node, host_gb=to.host_gb
+    ):
         mark = "*" if (p.stage, p.offload != "none", p.offload == "optimizer+params") == chosen else " "
         lines.append(
             f"{mark}{p.stage:<5} {p.offload:<17} {_gb(p.params_gb):>7} {_gb(p.grads_gb):>6} "
@@ -550,12 +579,15 @@ def _yes(x: bool | None) -> str:
 
 def step_times(cfg: RunConfig, world: int, rates: Rates) -> list[StepTime]:
     """`predict_step` for every stage and offload that `plan_stages` lists."""
-    return [predict_step(cfg, world, stage, off, par, rates) for stage, off, par in VARIANTS]
+    return [
+        predict_step(cfg, world, stage=stage, offload_optimizer=off, offload_param=par, rates=rates)
+        for stage, off, par in VARIANTS
+    ]
 
 
 def render_times(cfg: RunConfig, world: int, rates: Rates) -> list[str]:
     m, b = cfg.model, cfg.batch
-    total_tokens = (b.train_batch_size or 0) * m.block_size * cfg.schedule.max_steps
+    total_tokens = b.sequences * m.block_size * cfg.schedule.max_steps
     src = rates.sources
     lines = [
         f"Time per step, world size {world}: peak {rates.peak_tflops:.3g} TFLOP/s a rank ({src['peak']}); "
@@ -586,7 +618,10 @@ def plan_json(cfg: RunConfig, to: Target, rates: Rates | None = None) -> dict[st
         "device_gb": to.device_gb,
         "host_gb": to.host_gb,
         "stages": [
-            asdict(p) for p in plan_stages(cfg, to.world, to.device_gb, to.ranks_per_node, to.host_gb)
+            asdict(p)
+            for p in plan_stages(
+                cfg, to.world, device_gb=to.device_gb, gpus_per_node=to.ranks_per_node, host_gb=to.host_gb
+            )
         ],
     }
     if rates is not None:

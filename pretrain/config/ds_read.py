@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cache
@@ -67,6 +68,23 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _accept(value: Any) -> bool:
+    return True
+
+
+# What JSON gives for each annotation type_problem meets, and how its error names it.
+_JSON_TYPES: dict[Any, tuple[Callable[[Any], bool], str]] = {
+    bool: (lambda v: isinstance(v, bool), "true or false"),
+    int: (is_whole, "a whole number"),
+    float: (is_number, "a number"),
+    str: (lambda v: isinstance(v, str), "a string"),
+    Path: (lambda v: isinstance(v, str), "a path (a string)"),
+    dict: (lambda v: isinstance(v, dict), "a mapping (a JSON object)"),
+    list: (lambda v: isinstance(v, list), "a list"),
+    tuple: (lambda v: isinstance(v, list) and all(is_number(x) for x in v), "a list of numbers"),
+}
+
+
 def type_problem(value: Any, annotation: Any) -> str | None:
     """Why `value`, read from JSON, does not have the type `annotation`; None if it does.
 
@@ -76,32 +94,35 @@ def type_problem(value: Any, annotation: Any) -> str | None:
     if origin is Annotated:
         return type_problem(value, get_args(annotation)[0])
     if origin in (Union, UnionType):
-        options = [a for a in get_args(annotation) if a is not type(None)]
-        if value is None and len(options) < len(get_args(annotation)):
-            return None
-        problems = [type_problem(value, a) for a in options]
-        return None if None in problems else problems[0]
+        return _union_problem(value, get_args(annotation))
     if origin is Literal:
-        choices = get_args(annotation)
-        if any(value == c and type(value) is type(c) for c in choices):
-            return None
-        return f"expected one of {', '.join(json.dumps(c) for c in choices)}, got {shown(value)}"
-    if isinstance(annotation, type) and issubclass(annotation, Enum):
-        annotation = int if issubclass(annotation, int) else str if issubclass(annotation, str) else None
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        annotation = dict
-    checks: dict[Any, tuple[Any, str]] = {
-        bool: (lambda v: isinstance(v, bool), "true or false"),
-        int: (is_whole, "a whole number"),
-        float: (is_number, "a number"),
-        str: (lambda v: isinstance(v, str), "a string"),
-        Path: (lambda v: isinstance(v, str), "a path (a string)"),
-        dict: (lambda v: isinstance(v, dict), "a mapping (a JSON object)"),
-        list: (lambda v: isinstance(v, list), "a list"),
-        tuple: (lambda v: isinstance(v, list) and all(is_number(x) for x in v), "a list of numbers"),
-    }
-    ok, want = checks.get(origin or annotation, (lambda v: True, ""))
+        return _literal_problem(value, get_args(annotation))
+    ok, want = _JSON_TYPES.get(origin or _as_json(annotation), (_accept, ""))
     return None if ok(value) else f"expected {want}, got {shown(value)}"
+
+
+def _union_problem(value: Any, members: tuple[Any, ...]) -> str | None:
+    """`value` against `A | B | None`: None if any member takes it, else the first member's problem."""
+    options = [a for a in members if a is not type(None)]
+    if value is None and len(options) < len(members):
+        return None
+    problems = [type_problem(value, a) for a in options]
+    return None if None in problems else problems[0]
+
+
+def _literal_problem(value: Any, choices: tuple[Any, ...]) -> str | None:
+    if any(value == c and type(value) is type(c) for c in choices):
+        return None
+    return f"expected one of {', '.join(json.dumps(c) for c in choices)}, got {shown(value)}"
+
+
+def _as_json(annotation: Any) -> Any:
+    """The JSON type of an enum (its values' type, int or str) or a section (a mapping)."""
+    if isinstance(annotation, type) and issubclass(annotation, Enum):
+        return int if issubclass(annotation, int) else str if issubclass(annotation, str) else None
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return dict
+    return annotation
 
 
 @cache
@@ -109,8 +130,10 @@ def _field_adapter(section: str, key: str) -> tuple[Any, TypeAdapter[Any]]:
     model = RunConfig.model_fields[section].annotation
     assert isinstance(model, type) and issubclass(model, BaseModel)
     info = model.model_fields[key]
-    # a type built at run time: the field's annotation with its bounds
-    return info.annotation, TypeAdapter(Annotated[info.annotation, info])  # type: ignore[arg-type]
+    # a type built at run time: the field's annotation with its bounds (its metadata), not its
+    # default or its model's validators
+    bounded: Any = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+    return info.annotation, TypeAdapter(bounded)
 
 
 def field_value(section: str, key: str, value: Any) -> Any:
@@ -151,7 +174,7 @@ class Reading:
     notes: list[str] = field(default_factory=list)
     origin: dict[tuple[str, str], str] = field(default_factory=dict)
 
-    def put(self, where: str, section: str, key: str, value: Any, replace: bool = False) -> None:
+    def put(self, where: str, section: str, key: str, value: Any, *, replace: bool = False) -> None:
         """Set the tree's section.key from the JSON's `where`. "auto" keeps the tree's value; a value
         of the wrong type, out of bounds, or contradicting another key of the JSON is a problem."""
         if value == AUTO:
@@ -302,6 +325,26 @@ def _param_type(name: str, default: Any) -> Any:
     return kind | None if default is None else kind
 
 
+def _scheduler_param_problems(kind: str, given: dict[str, Any]) -> list[str]:
+    """The parameters of DeepSpeed's scheduler `kind` that are unknown, mistyped or missing."""
+    defaults, problems = SCHEDULERS[kind], []
+    for name, v in given.items():
+        where = f"scheduler.params.{name}"
+        if name not in defaults:
+            problems.append(f"{where}: not a parameter of {kind}{did_you_mean(name, list(defaults))}")
+        elif v != AUTO and (problem := type_problem(v, _param_type(name, defaults[name]))):
+            problems.append(f"{where}: {problem}")
+    for name, default in defaults.items():
+        if default == REQUIRED and name not in given:
+            problems.append(f"scheduler.params.{name}: {kind} requires it")
+    if given.get("last_batch_iteration", -1) not in (-1, AUTO):
+        problems.append(
+            "scheduler.params.last_batch_iteration: pretrain resumes the LR from its own step count; "
+            "leave it -1"
+        )
+    return problems
+
+
 def read_scheduler(r: Reading, value: Any) -> None:
     """DeepSpeed's LR scheduler into the tree's `schedule` (and optimizer.lr), where lr_at can draw
     the same curve: linear warmup from warmup_start_ratio x peak, then a cosine to min_lr_ratio x
@@ -317,20 +360,7 @@ def read_scheduler(r: Reading, value: Any) -> None:
     defaults = SCHEDULERS[kind]
     given = r.mapping("scheduler.params", sched.get("params", {}))
     before = len(r.problems)
-    for name, v in given.items():
-        where = f"scheduler.params.{name}"
-        if name not in defaults:
-            r.problems.append(f"{where}: not a parameter of {kind}{did_you_mean(name, list(defaults))}")
-        elif v != AUTO and (problem := type_problem(v, _param_type(name, defaults[name]))):
-            r.problems.append(f"{where}: {problem}")
-    for name, default in defaults.items():
-        if default == REQUIRED and name not in given:
-            r.problems.append(f"scheduler.params.{name}: {kind} requires it")
-    if given.get("last_batch_iteration", -1) not in (-1, AUTO):
-        r.problems.append(
-            "scheduler.params.last_batch_iteration: pretrain resumes the LR from its own step count; "
-            "leave it -1"
-        )
+    r.problems += _scheduler_param_problems(kind, given)
     if len(r.problems) > before:
         return
     args = {
@@ -377,7 +407,7 @@ def _peak(r: Reading, where: str, lr: Any) -> float | None:
     return float(peak) if is_number(peak) and peak > 0 else None
 
 
-def _warmup(r: Reading, min_lr: Any, peak: float | None, steps: Any, where: str) -> None:
+def _warmup(r: Reading, *, min_lr: Any, peak: float | None, steps: Any, where: str) -> None:
     if is_number(min_lr) and peak is not None:
         if min_lr > peak:
             r.problems.append(f"{where}: {min_lr} is above the peak LR ({peak})")
@@ -390,7 +420,13 @@ def _warmup(r: Reading, min_lr: Any, peak: float | None, steps: Any, where: str)
 
 def _warmup_lr(r: Reading, a: dict[str, Any]) -> None:
     peak = _peak(r, "scheduler.params.warmup_max_lr", a["warmup_max_lr"])
-    _warmup(r, a["warmup_min_lr"], peak, a["warmup_num_steps"], "scheduler.params.warmup_min_lr")
+    _warmup(
+        r,
+        min_lr=a["warmup_min_lr"],
+        peak=peak,
+        steps=a["warmup_num_steps"],
+        where="scheduler.params.warmup_min_lr",
+    )
     r.put("scheduler.type", "schedule", "min_lr_ratio", 1.0)  # constant after warmup
 
 
@@ -405,7 +441,7 @@ def _warmup_cosine_lr(r: Reading, a: dict[str, Any]) -> None:
     r.put("scheduler.params.total_num_steps", "schedule", "max_steps", a["total_num_steps"])
     r.put("scheduler.params.warmup_min_ratio", "schedule", "warmup_start_ratio", a["warmup_min_ratio"])
     r.put("scheduler.params.cos_min_ratio", "schedule", "min_lr_ratio", a["cos_min_ratio"])
-    _warmup(r, None, None, a["warmup_num_steps"], "")
+    _warmup(r, min_lr=None, peak=None, steps=a["warmup_num_steps"], where="")
 
 
 def _one_cycle(r: Reading, a: dict[str, Any]) -> None:
@@ -669,10 +705,36 @@ def recorded_run(ds: dict[str, Any], source: str = "DeepSpeed JSON") -> dict[str
     return tree
 
 
+def _read_key(r: Reading, key: str, value: Any) -> None:
+    """One top-level key of a DeepSpeed JSON into its section of the tree (the scheduler: later)."""
+    if key in _BATCH_KEYS:
+        r.put(key, "batch", _BATCH_KEYS[key], value)
+    elif key == "gradient_clipping":
+        r.put(key, "optimizer", "grad_clip", value)
+    elif key in (RECORD, "scheduler", "steps_per_print", "wall_clock_breakdown"):
+        return  # the record: by the caller; the scheduler: last; pretrain does its own logging
+    elif key == "optimizer":
+        read_optimizer(r, value)
+    elif key in ("bf16", "bfloat16", "fp16"):
+        _read_precision(r, key, value)
+    elif key == "zero_optimization":
+        _read_zero(r, value)
+    elif key in MONITORS:
+        _read_monitor(r, key, value)
+    elif key == "compile":
+        _read_compile(r, value)
+    elif key in DEEPSPEED_PASSTHROUGH_KEYS:
+        r.extra[key] = without_auto(value)
+    else:
+        known = DEEPSPEED_PASSTHROUGH_KEYS | MODELED_DEEPSPEED_KEYS
+        r.problems.append(f"'{key}' is not a DeepSpeed config key{did_you_mean(key, known)}")
+
+
 def tree_from_deepspeed(
     ds: dict[str, Any],
     source: str = "DeepSpeed JSON",
     base: dict[str, Any] | None = None,
+    *,
     world_size: int | None = None,
     record: bool = True,
 ) -> dict[str, Any]:
@@ -687,27 +749,7 @@ def tree_from_deepspeed(
     """
     r = Reading(base or {})
     for key, value in ds.items():
-        if key in _BATCH_KEYS:
-            r.put(key, "batch", _BATCH_KEYS[key], value)
-        elif key == "gradient_clipping":
-            r.put(key, "optimizer", "grad_clip", value)
-        elif key in (RECORD, "scheduler", "steps_per_print", "wall_clock_breakdown"):
-            continue  # the record: below; the scheduler: last; pretrain does its own logging
-        elif key == "optimizer":
-            read_optimizer(r, value)
-        elif key in ("bf16", "bfloat16", "fp16"):
-            _read_precision(r, key, value)
-        elif key == "zero_optimization":
-            _read_zero(r, value)
-        elif key in MONITORS:
-            _read_monitor(r, key, value)
-        elif key == "compile":
-            _read_compile(r, value)
-        elif key in DEEPSPEED_PASSTHROUGH_KEYS:
-            r.extra[key] = without_auto(value)
-        else:
-            known = DEEPSPEED_PASSTHROUGH_KEYS | MODELED_DEEPSPEED_KEYS
-            r.problems.append(f"'{key}' is not a DeepSpeed config key{did_you_mean(key, known)}")
+        _read_key(r, key, value)
     if "scheduler" in ds:
         read_scheduler(r, ds["scheduler"])
     _resolve_precision(r, ds)

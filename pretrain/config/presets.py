@@ -21,7 +21,7 @@ from pretrain.errors import ConfigError
 _GPT2_DATA = {"tokenizer": "gpt2"}
 
 
-def _gpt2(n_layer: int, n_head: int, n_embd: int, lr: float, stage: int, **model: Any) -> dict[str, Any]:
+def _gpt2(n_layer: int, n_head: int, n_embd: int, *, lr: float, stage: int, **model: Any) -> dict[str, Any]:
     """GPT-2 shapes (Radford et al. 2019) with the nanoGPT/GPT-3 training recipe, bf16, torch.compile,
     on a100x16."""
     return {
@@ -39,7 +39,7 @@ def _gpt2(n_layer: int, n_head: int, n_embd: int, lr: float, stage: int, **model
 
 
 def _char(
-    n: int, lr: float, max_steps: int, micro_batch: int, dropout: float = 0.0, **sections: Any
+    n: int, *, lr: float, max_steps: int, micro_batch: int, dropout: float = 0.0, **sections: Any
 ) -> dict[str, Any]:
     """n layers of n heads, 64n wide, context 256, char-level; `sections` are merged on top."""
     return deep_merge(
@@ -153,6 +153,7 @@ DS_CONFIG_RENDERS: dict[str, tuple[str, list[str], int]] = {
 
 def build(
     preset: str | None = None,
+    *,
     config_file: str | Path | None = None,
     ds_file: str | Path | None = None,
     overrides: list[str] | None = None,
@@ -190,7 +191,9 @@ def build(
         raise ConfigError(problems, "override")
     if ds is not None:
         # "auto" in the JSON resolves against the tree without it: the layers below, and the overrides
-        tree = tree_from_deepspeed(ds, str(ds_file), deep_merge(data, over), world_size, record=False)
+        tree = tree_from_deepspeed(
+            ds, str(ds_file), deep_merge(data, over), world_size=world_size, record=False
+        )
         data = deep_merge(data, tree)
     return validate(deep_merge(data, over), world_size)
 

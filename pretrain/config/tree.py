@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from pretrain.config.ds_keys import (
     MODELED_DEEPSPEED_KEYS,
@@ -387,35 +395,63 @@ class ScheduleConfig(Section):
 
 
 class BatchConfig(Section):
+    """`train_batch_size = micro_batch_size x gradient_accumulation_steps x data_parallel_size`,
+    derived here and nowhere else. The world size is the validation's `context`: without one (a
+    config shown or checked before launch) the data-parallel size, and so the batch, stay unresolved
+    (None); a config built for a world size has both, and `sequences` reads the batch as an int."""
+
     micro_batch_size: int = Field(32, ge=1, description="Sequences per rank per forward/backward.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro batches per optimizer step.")
     data_parallel_size: int | None = Field(
-        None, ge=1, description="Data-parallel ranks. None takes the launch's world size."
+        None,
+        ge=1,
+        validate_default=True,
+        description="Data-parallel ranks. None takes the launch's world size.",
     )
     train_batch_size: int | None = Field(
-        None, ge=1, description="Sequences per optimizer step. Derived; if given it must match."
+        None,
+        ge=1,
+        validate_default=True,
+        description="Sequences per optimizer step. Derived; if given it must match.",
     )
 
+    @field_validator("data_parallel_size")
+    @classmethod
+    def _from_world(cls, dp: int | None, info: ValidationInfo) -> int | None:
+        """None: the world size, where it is known (a given one that differs is a broken rule)."""
+        return (info.context or {}).get("world_size") if dp is None else dp
+
+    @field_validator("train_batch_size")
+    @classmethod
+    def _derived(cls, tbs: int | None, info: ValidationInfo) -> int | None:
+        """None: the product, where the data-parallel size is known (a given one must match it)."""
+        micro, acc = info.data.get("micro_batch_size"), info.data.get("gradient_accumulation_steps")
+        dp = info.data.get("data_parallel_size")
+        if tbs is not None or micro is None or acc is None or dp is None:
+            return tbs
+        return int(micro * acc * dp)
+
     def broken_rules(self, context: dict[str, Any]) -> list[str]:
-        world = context.get("world_size")
+        world, dp = context.get("world_size"), self.data_parallel_size
         problems = []
-        if world is not None:
-            if self.data_parallel_size is None:
-                object.__setattr__(self, "data_parallel_size", world)
-            elif self.data_parallel_size != world:
-                problems.append(self._world_mismatch(self.data_parallel_size, world))
-        dp = self.data_parallel_size
+        if world is not None and dp is not None and dp != world:  # None took the world size
+            problems.append(self._world_mismatch(dp, world))
         if dp is not None:
             derived = self.micro_batch_size * self.gradient_accumulation_steps * dp
-            if self.train_batch_size is not None and self.train_batch_size != derived:
+            if self.train_batch_size != derived:
                 problems.append(
                     f"train_batch_size ({self.train_batch_size}) != micro_batch_size ({self.micro_batch_size})"
                     f" x gradient_accumulation_steps ({self.gradient_accumulation_steps})"
                     f" x data_parallel_size ({dp}) = {derived}"
                 )
-            elif self.train_batch_size is None:
-                object.__setattr__(self, "train_batch_size", derived)
         return problems
+
+    @property
+    def sequences(self) -> int:
+        """train_batch_size, resolved: sequences per optimizer step of a config built for a world size."""
+        if self.train_batch_size is None:
+            raise ConfigError(["batch.data_parallel_size is unresolved: pass a world size"], "batch")
+        return self.train_batch_size
 
     def _world_mismatch(self, dp: int, world: int) -> str:
         # No "; " in the message: `validate` splits a section's problems there.

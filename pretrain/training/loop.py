@@ -114,7 +114,7 @@ def _train(cfg: RunConfig, dist: Dist, resume: bool | str | None, dog: Watchdog)
     start_step = at.step
     dog.slow("the first step", at.step)  # the hang watchdog: see watchdog.py
     saved = _constant_state(run)
-    faults = Faults(cfg.run_dir(), b.train_batch_size)  # type: ignore[arg-type]
+    faults = Faults(cfg.run_dir(), b.sequences)
     stop = StopOnSignal().install()
     stopping = 0  # the signal that asked the run to stop, agreed by all ranks
     # MFU: model FLOPs per token (6N + attention) against the device's peak, known to rank 0.
@@ -139,7 +139,7 @@ def _train(cfg: RunConfig, dist: Dist, resume: bool | str | None, dog: Watchdog)
         start_step=at.step,
         progress=cfg.logging.progress_bar,
     )
-    tokens_per_step = b.train_batch_size * cfg.model.block_size  # type: ignore[operator]
+    tokens_per_step = b.sequences * cfg.model.block_size
     losses: dict[int, float] = {}
     val_loss: float | None = None
     interval = Interval(engine.device)
@@ -389,7 +389,7 @@ def _banner(run: Run) -> str:
         f"{cfg.precision.name}, ZeRO-{cfg.zero.stage}{' + offload' if cfg.zero.offload_optimizer else ''}, "
         f"world size {world}\n"
         f"batch {b.micro_batch_size} x {b.gradient_accumulation_steps} x {world} = "
-        f"{b.train_batch_size} sequences = {b.train_batch_size * cfg.model.block_size:,} tokens/step, "  # type: ignore[operator]
+        f"{b.sequences} sequences = {b.sequences * cfg.model.block_size:,} tokens/step, "
         f"{cfg.schedule.max_steps} steps\n"
         f"data {run.datasets[0].dir}: {n_train:,} train / {n_val:,} val tokens, vocab {run.tokenizer.vocab_size}\n"
         f"run dir {cfg.run_dir()}"

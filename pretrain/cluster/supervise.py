@@ -1,0 +1,81 @@
+"""The supervisor of `pretrain train --nproc-per-node K --max-restarts N`: K ranks under torchrun
+on this machine and, when any rank dies (torchrun then stops the others), all of them started again
+from the newest checkpoint, up to N times.
+
+Each attempt is a fresh torchrun: torchrun's own --max-restarts reuses its rendezvous store, whose
+stale keys from the failed attempt can break the gloo groups of the next. A SIGTERM or SIGINT is
+passed on to the ranks (which save and stop) and ends the supervision. Each attempt's ranks learn
+its number from PRETRAIN_RESTART_COUNT (`restart_count`), and from the second on resume.
+
+Imports neither torch nor the training code: the supervisor only starts processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# Where a rank learns that it was restarted: by this supervisor, torchrun, a requeued Slurm job.
+RESTART_COUNTS = ("PRETRAIN_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+
+
+def restart_count() -> int:
+    """How many times this run was restarted after a failure (0: its first start)."""
+    return int(next((os.environ[v] for v in RESTART_COUNTS if os.environ.get(v, "").isdigit()), "0"))
+
+
+def _own_flags() -> argparse.ArgumentParser:
+    """The supervisor's flags among `train`'s: the ones the ranks must not see."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--max-restarts")
+    p.add_argument("--nproc-per-node")
+    return p
+
+
+def rank_arguments(train_args: list[str]) -> list[str]:
+    """`train`'s arguments for the ranks: all of them, in order, but the supervisor's own."""
+    return _own_flags().parse_known_args(train_args)[1]
+
+
+def supervise(train_args: list[str], *, script: Path, nproc_per_node: int, max_restarts: int) -> int:
+    """Run `script` (the train entry point) with `train_args` on `nproc_per_node` ranks under
+    torchrun, up to `max_restarts` more times after a failure. Returns the exit code: 0, the last
+    attempt's, or 128 + the signal that stopped the run."""
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(nproc_per_node),
+        str(script), *rank_arguments(train_args),
+    ]  # fmt: skip
+    stop: list[int] = []
+    child: subprocess.Popen[bytes] | None = None
+
+    def forward(signum: int, frame: Any) -> None:
+        stop.append(signum)
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, forward)
+    rc = 1
+    for attempt in range(max_restarts + 1):
+        print(f"supervisor: attempt {attempt + 1} of {max_restarts + 1}: {' '.join(argv[1:])}", flush=True)
+        # A session of its own, so that a terminal's Ctrl-C reaches the ranks once, through us.
+        env = {**os.environ, "PRETRAIN_RESTART_COUNT": str(attempt)}
+        child = subprocess.Popen(argv, env=env, start_new_session=True)
+        rc = child.wait()
+        if stop:
+            return 128 + stop[0]  # the ranks saved and stopped, as asked
+        if rc == 0:
+            return 0
+        more = attempt < max_restarts
+        print(
+            f"supervisor: attempt {attempt + 1} failed (exit {rc}); "
+            + ("restarting every rank from the newest checkpoint" if more else "no restarts left"),
+            flush=True,
+        )
+    return rc
