@@ -104,7 +104,7 @@ def our_loop(cfg: RunConfig, dist: engine.Dist) -> Loop:
     run = setup(cfg, dist, None)
     quiet_monitor(run.engine)  # as train() does: its log, not the engine, writes to the monitor
     timer = PhaseTimer(run.engine.device)
-    faults = Faults(cfg.run_dir(), cfg.batch.train_batch_size or 1, env={})
+    faults = Faults(cfg.run_dir(), cfg.batch.sequences, env={})
 
     def step(i: int) -> torch.Tensor:
         lr = lr_at(i, cfg.optimizer.lr, cfg.schedule)

@@ -2,7 +2,7 @@
 
 Here: the sections, their cross-field rules, reading config files and `--set` overrides, and
 `validate`, which reports every problem at once. The DeepSpeed JSON is rendered from the tree (and
-read back into it) in ds_config.py; presets and the layered build are in presets.py. World size is
+read back into it) in ds_render.py and ds_read.py; presets and the layered build are in presets.py. World size is
 an input (`context`), never probed here.
 """
 
