@@ -53,7 +53,7 @@ class Watchdog:
     """Watches one rank's training loop; a context manager that stops watching on the way out.
     With `cfg.timeout_s == 0` it does nothing."""
 
-    def __init__(self, cfg: WatchdogConfig, run_dir: Path, rank: int, world_size: int) -> None:
+    def __init__(self, cfg: WatchdogConfig, run_dir: Path, *, rank: int, world_size: int) -> None:
         self.cfg, self.run_dir, self.rank, self.world_size = cfg, run_dir, rank, world_size
         self._armed: _Armed | None = None
         self._fallback_at = 0.0  # when faulthandler's C thread fires (monotonic); 0: not armed
@@ -71,11 +71,11 @@ class Watchdog:
 
     def beat(self, step: int) -> None:
         """`step` is done: the next must finish within `timeout_s`."""
-        self._arm(step, f"step {step + 1}", self.cfg.timeout_s, "watchdog.timeout_s")
+        self._arm(step, f"step {step + 1}", seconds=self.cfg.timeout_s, setting="watchdog.timeout_s")
 
     def slow(self, what: str, step: int) -> None:
         """`what` comes next, after `step`: it may take up to `slow_timeout_s`."""
-        self._arm(step, what, self.cfg.slow_timeout_s, "watchdog.slow_timeout_s")
+        self._arm(step, what, seconds=self.cfg.slow_timeout_s, setting="watchdog.slow_timeout_s")
 
     def close(self) -> None:
         """Stop watching (idempotent)."""
@@ -101,7 +101,7 @@ class Watchdog:
 
     # -----------------------------------------------------------------------------------------
 
-    def _arm(self, step: int, what: str, seconds: int, setting: str) -> None:
+    def _arm(self, step: int, what: str, *, seconds: int, setting: str) -> None:
         if not self.cfg.timeout_s or self._closed:
             return
         if not seconds:  # slow_timeout_s = 0: this phase is not watched
