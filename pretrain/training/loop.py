@@ -69,6 +69,10 @@ class Run:
     resume_from: checkpoint.Checkpoint | None
     params: list[torch.nn.Parameter] = field(default_factory=list)  # the module's, listed once for clipping
 
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch.train_batch_size * self.cfg.model.block_size  # type: ignore[operator]
+
 
 @dataclass
 class Progress:
@@ -82,7 +86,9 @@ class Progress:
     rollbacks: list[int] = field(default_factory=list)
 
     def advance(self, tokens: int) -> int:
-        """One more step done, on `tokens` tokens; returns the steps done."""
+        """One more step done, on `tokens` tokens (it ends a streak of non-finite steps); returns the
+        steps done."""
+        self.bad_streak.clear()
         self.step += 1
         self.tokens_seen += tokens
         return self.step
@@ -116,89 +122,61 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
     """Train `cfg` on this rank. `resume`: "auto" (or True) continues from the newest valid
     checkpoint in the run's checkpoint dir, if any; a path continues from that checkpoint."""
     run = setup(cfg, dist, resume)
-    cfg, engine, train_data, max_steps = run.cfg, run.engine, run.train_data, run.cfg.schedule.max_steps
+    cfg, max_steps = run.cfg, run.cfg.schedule.max_steps
     progress = _start(run)
     start_step = progress.step
     with Sentinel(cfg, dist.rank, dist.world_size, start_step) as sentinel:  # watchdog, stop signal, faults
         run_state = checkpoint.run_state(cfg, run.datasets, dist.is_main)
-        log, peak_tflops = _open_log(run, start_step)
-        tokens_per_step = cfg.batch.train_batch_size * cfg.model.block_size  # type: ignore[operator]
+        log, peak = _open_log(run, start_step)  # peak: the device's TFLOP/s per rank, for the MFU
+        interval = Interval(run.engine.device)
+        timer, faults = interval.timer, sentinel.faults
         losses: dict[int, float] = {}
         val_loss: float | None = None
-        interval = Interval(engine.device)
         stop_requested = 0  # the signal that asked the run to stop, agreed by all ranks
         while progress.step < max_steps:
             step = progress.step  # the steps done; this one is step + 1
             log_due = cfg.logging.log_due(step + 1, max_steps)
             # 1. learning rate, a pure function of the step, so a resume needs no scheduler state
             lr = _set_lr(run, step)
-            batch_start = train_data.consumed_samples
+            batch_start = run.train_data.consumed_samples
             if batch_start in progress.skip_batches:  # it made the run roll back: move the data past it
                 _skip_batch(run, step, batch_start)
                 continue
             # 2. micro-steps; DeepSpeed reduces gradients and steps the optimizer on the last one
             step_loss, grad_norm, verdict = train_step(
-                run,
-                interval.timer,
-                sentinel.faults,
-                batch_start=batch_start,
-                want_grad_norm=log_due,
-                signum=sentinel.signum,
+                run, timer, faults, batch_start=batch_start, want_grad_norm=log_due, signum=sentinel.signum
             )
-            # 2b. all ranks agree on a non-finite loss anywhere, and on a stop signal: one host read of
-            # the loss a step, the price of never training on a NaN; the collective went off before the
-            # last backward and is only waited for here. A bad step is not counted: the next batch is
-            # tried for the same step (DeepSpeed skipped the update); M in a row roll back.
+            # 2b. all ranks agree on a non-finite loss anywhere and on a stop signal: one host read of the
+            # loss a step, the price of never training on a NaN (the collective went off before the last
+            # backward). A bad step is not counted: the next batch is tried for it; M in a row roll back.
             bad, stop_requested = verdict.wait()
             if bad:
                 if _on_bad_step(run, progress, sentinel, batch_start=batch_start):
                     interval.reset()
                 continue
-            progress.bad_streak.clear()
             if step == start_step:
                 _log_first_step(dist)
             interval.add(step_loss)
-            step = progress.advance(tokens_per_step)
-
+            step = progress.advance(run.tokens_per_step)
             # 3. log: the metrics' one host sync, once per log interval (one all_gather, then .tolist())
             if log_due:
-                losses[step] = _log(
-                    run, log, interval, progress, lr=lr, grad_norm=grad_norm, peak_tflops=peak_tflops
-                )
+                losses[step] = _log(run, log, interval, progress, lr=lr, grad_norm=grad_norm, peak=peak)
                 interval.reset()
             else:
                 log.progress(step)
-
             # 4. evaluate
-            evaluated = cfg.logging.eval_due(step, max_steps)
-            if evaluated:
+            if evaluated := cfg.logging.eval_due(step, max_steps):
                 val_loss = _evaluate(run, log, sentinel, step)
                 interval.restart_clock()
-
             # 5. checkpoint: every interval, at the end, and when a signal asks the run to stop
             if cfg.checkpoint.due(step, max_steps, stop_requested=bool(stop_requested)):
                 _save(run, progress, run_state, sentinel, val_loss=val_loss if evaluated else None)
                 interval.restart_clock()
-            if stop_requested:
-                dist.log(
-                    f"stopped by {signal.Signals(stop_requested).name} at step {step}; resume with --resume auto"
-                )
+            if stop_requested:  # saved on every rank just above
                 break
             sentinel.tick(step)
         sentinel.close()
-    text = _final_sample(run, stopped=bool(stop_requested))
-    log.close()
-    return TrainResult(
-        start_step,
-        progress.step,
-        losses,
-        val_loss,
-        text,
-        type(engine.basic_optimizer).__name__,
-        skipped_steps=progress.skipped_steps,
-        rollbacks=progress.rollbacks,
-        stopped_by=signal.Signals(stop_requested).name if stop_requested else None,
-    )
+    return _finish(run, log, progress, start_step, losses=losses, val_loss=val_loss, signum=stop_requested)
 
 
 def train_step(
@@ -453,16 +431,40 @@ def _save(
     run.dist.log(f"saved checkpoint {run.ckpt_dir / tag}")
 
 
-def _final_sample(run: Run, stopped: bool) -> str | None:
-    """The text sampled at the end of the run (logging.sample_tokens), none after a stop signal."""
-    cfg = run.cfg.logging
-    if cfg.sample_tokens == 0 or stopped:
-        return None
-    text = sample(
-        run.engine, run.tokenizer, cfg.sample_prompt, max_new_tokens=cfg.sample_tokens, seed=run.cfg.seed
+def _finish(
+    run: Run,
+    log: MetricsLog,
+    progress: Progress,
+    start_step: int,
+    *,
+    losses: dict[int, float],
+    val_loss: float | None,
+    signum: int,
+) -> TrainResult:
+    """The end of the run: the stop by signal `signum` (0: none), or the final sample
+    (logging.sample_tokens); then the result."""
+    cfg, dist = run.cfg.logging, run.dist
+    stopped_by = signal.Signals(signum).name if signum else None
+    text = None
+    if stopped_by:
+        dist.log(f"stopped by {stopped_by} at step {progress.step}; resume with --resume auto")
+    elif cfg.sample_tokens > 0:
+        text = sample(
+            run.engine, run.tokenizer, cfg.sample_prompt, max_new_tokens=cfg.sample_tokens, seed=run.cfg.seed
+        )
+        dist.log(f"\n--- sample ({cfg.sample_tokens} tokens) ---\n{text}\n---")
+    log.close()
+    return TrainResult(
+        start_step,
+        progress.step,
+        losses,
+        val_loss,
+        text,
+        type(run.engine.basic_optimizer).__name__,
+        skipped_steps=progress.skipped_steps,
+        rollbacks=progress.rollbacks,
+        stopped_by=stopped_by,
     )
-    run.dist.log(f"\n--- sample ({cfg.sample_tokens} tokens) ---\n{text}\n---")
-    return text
 
 
 def _log(
@@ -473,9 +475,10 @@ def _log(
     *,
     lr: float,
     grad_norm: torch.Tensor | None,
-    peak_tflops: float | None,
+    peak: float | None,
 ) -> float:
-    """A log step: every rank's interval in one all_gather, one row; returns the train loss."""
+    """A log step: every rank's interval in one all_gather, one row; returns the train loss. `peak`:
+    the device's TFLOP/s per rank that MFU is measured against (None: unknown, or not rank 0)."""
     cfg, engine, b = run.cfg, run.engine, run.cfg.batch
     ranks = gather_interval(
         interval.loss_sum, interval.timer, time.perf_counter() - interval.t0, engine.device
@@ -487,7 +490,7 @@ def _log(
         block_size=cfg.model.block_size,
         micro_steps=b.gradient_accumulation_steps,
         flops_per_token=engine.module.flops_per_token(),
-        peak_tflops=peak_tflops,
+        peak_tflops=peak,
     )
     norm = grad_norm if grad_norm is not None else engine.get_global_grad_norm()
     loss_scale = getattr(engine.optimizer, "loss_scale", None) if cfg.precision.fp16 else None
