@@ -176,7 +176,9 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
                 break
             sentinel.tick(step)
         sentinel.close()
-    return _finish(run, log, progress, start_step, losses=losses, val_loss=val_loss, signum=stop_requested)
+    return _finish(
+        run, log, progress, start_step=start_step, losses=losses, val_loss=val_loss, signum=stop_requested
+    )
 
 
 def train_step(
@@ -435,8 +437,8 @@ def _finish(
     run: Run,
     log: MetricsLog,
     progress: Progress,
-    start_step: int,
     *,
+    start_step: int,
     losses: dict[int, float],
     val_loss: float | None,
     signum: int,
