@@ -19,6 +19,7 @@ import torch
 import torch.distributed as tdist
 
 from pretrain.config.tree import RunConfig
+from pretrain.training.engine import Dist
 from pretrain.training.watchdog import Watchdog
 
 # ---------------------------------------------------------------------------------------------
@@ -199,9 +200,9 @@ class Sentinel:
     A context manager: on the way out, even through an error, it stops the watchdog. `close` (the
     loop's normal end) also gives SIGTERM and SIGINT back their previous handlers."""
 
-    def __init__(self, cfg: RunConfig, rank: int, world_size: int, start_step: int) -> None:
-        self.rank = rank
-        self.watchdog = Watchdog(cfg.watchdog, cfg.run_dir(), rank=rank, world_size=world_size)
+    def __init__(self, cfg: RunConfig, dist: Dist, start_step: int) -> None:
+        self.rank = dist.rank
+        self.watchdog = Watchdog(cfg.watchdog, cfg.run_dir(), rank=dist.rank, world_size=dist.world_size)
         self.watchdog.slow("the first step", start_step)
         self.faults = Faults(cfg.run_dir(), cfg.batch.train_batch_size)  # type: ignore[arg-type]
         self._stop = StopOnSignal().install()

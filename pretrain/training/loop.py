@@ -40,7 +40,7 @@ from pretrain.training.metrics import (
 from pretrain.training.schedule import lr_at
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainResult:
     start_step: int
     final_step: int
@@ -125,7 +125,7 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
     cfg, max_steps = run.cfg, run.cfg.schedule.max_steps
     progress = _start(run)
     start_step = progress.step
-    with Sentinel(cfg, dist.rank, dist.world_size, start_step) as sentinel:  # watchdog, stop signal, faults
+    with Sentinel(cfg, dist, start_step) as sentinel:  # watchdog, stop signal, faults
         run_state = checkpoint.run_state(cfg, run.datasets, dist.is_main)
         log, peak = _open_log(run, start_step)  # peak: the device's TFLOP/s per rank, for the MFU
         interval = Interval(run.engine.device)
@@ -166,7 +166,7 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
                 log.progress(step)
             # 4. evaluate
             if evaluated := cfg.logging.eval_due(step, max_steps):
-                val_loss = _evaluate(run, log, sentinel, step)
+                val_loss = _evaluate(run, log, sentinel, step=step)
                 interval.restart_clock()
             # 5. checkpoint: every interval, at the end, and when a signal asks the run to stop
             if cfg.checkpoint.due(step, max_steps, stop_requested=bool(stop_requested)):
@@ -398,7 +398,7 @@ def _log_first_step(dist: Dist) -> None:
     )
 
 
-def _evaluate(run: Run, log: MetricsLog, sentinel: Sentinel, step: int) -> float:
+def _evaluate(run: Run, log: MetricsLog, sentinel: Sentinel, *, step: int) -> float:
     """Evaluate after `step` and log the val loss and perplexity; returns the val loss."""
     sentinel.expect("the evaluation", step)
     val_loss, val_ppl = evaluate(run.engine, run.val_data, run.cfg.logging.eval_batches)
@@ -457,12 +457,12 @@ def _finish(
         dist.log(f"\n--- sample ({cfg.sample_tokens} tokens) ---\n{text}\n---")
     log.close()
     return TrainResult(
-        start_step,
-        progress.step,
-        losses,
-        val_loss,
-        text,
-        type(run.engine.basic_optimizer).__name__,
+        start_step=start_step,
+        final_step=progress.step,
+        losses=losses,
+        val_loss=val_loss,
+        sample=text,
+        optimizer=type(run.engine.basic_optimizer).__name__,
         skipped_steps=progress.skipped_steps,
         rollbacks=progress.rollbacks,
         stopped_by=stopped_by,

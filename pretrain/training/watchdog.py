@@ -37,7 +37,7 @@ FALLBACK_S = 10.0  # faulthandler's C thread fires this long after the deadline
 EXIT_AFTER_S = FALLBACK_S + 2  # a rank that fired exits this long after its deadline
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Armed:
     """One deadline, replaced as a whole (the watching thread reads it without a lock)."""
 
@@ -112,7 +112,14 @@ class Watchdog:
             return
         now = time.monotonic()
         previous = self._armed
-        armed = _Armed(now + seconds, step, time.time(), what, seconds, setting)
+        armed = _Armed(
+            deadline=now + seconds,
+            step=step,
+            since=time.time(),
+            waiting_for=what,
+            seconds=seconds,
+            setting=setting,
+        )
         self._armed = armed
         # The C fallback must fire after the Python thread has had its chance (a margin of
         # FALLBACK_S / 2) and at most FALLBACK_S after the deadline; re-arming it starts a thread,
