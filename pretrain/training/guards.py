@@ -198,7 +198,8 @@ class Sentinel:
     allowance; `tick` after every step re-arms the watchdog and fires the faults due after it.
 
     A context manager: on the way out, even through an error, it stops the watchdog. `close` (the
-    loop's normal end) also gives SIGTERM and SIGINT back their previous handlers."""
+    loop's normal end) also gives SIGTERM and SIGINT back their previous handlers; after an error
+    they stay with the stopped loop, as they always have."""
 
     def __init__(self, cfg: RunConfig, dist: Dist, start_step: int) -> None:
         self.rank = dist.rank

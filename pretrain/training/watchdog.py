@@ -2,8 +2,9 @@
 run dir and exits non-zero, so that a supervisor (`train --max-restarts`, Slurm) restarts the run
 from its newest checkpoint instead of leaving it hung until the job's wall-clock limit.
 
-The loop re-arms it after every step (`beat`) and gives the long phases (the first step, an
-evaluation, a checkpoint save) the larger allowance (`slow`). Two watchers share the deadline:
+The loop, through `guards.Sentinel`, re-arms it after every step (`beat`) and gives the long phases
+(the first step, an evaluation, a checkpoint save) the larger allowance (`slow`). Two watchers share
+the deadline:
 
 - a Python thread, which at the deadline writes `<run_dir>/hang/step_<N>/rank<R>.txt` (N: the last
   step completed) with the host, time and step, prints one line on stderr and exits with
