@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> None:
             "rng": checkpoint.gather_rng(group),
         }
         need = checkpoint.estimate_bytes(cfg)
-        checkpoint.preflight(ckpt_dir, need, 1, group)
+        checkpoint.preflight(ckpt_dir, need_bytes=need, keep=1, group=group)
         save_s, bare_s, verify_s, load_s = [], [], [], []
         for step in range(1, args.repeats + 1):
             # DeepSpeed's save alone (page cache, no fsync, no hashing), for comparison
@@ -105,11 +105,15 @@ def main(args: argparse.Namespace) -> None:
             os.sync()
             tdist.barrier()
             t = time.perf_counter()
-            checkpoint.save(eng, ckpt_dir, step, {**state, "step": step}, cfg.checkpoint, group)
+            checkpoint.save(
+                eng, ckpt_dir, {**state, "step": step}, step=step, policy=cfg.checkpoint, group=group
+            )
             save_s.append(time.perf_counter() - t)
             tdist.barrier()
             t = time.perf_counter()
-            found = checkpoint.find(ckpt_dir, "auto", dist.world_size, 2, True, group)
+            found = checkpoint.find(
+                ckpt_dir, "auto", world_size=dist.world_size, zero_stage=2, checksums=True, group=group
+            )
             verify_s.append(time.perf_counter() - t)
             assert found is not None and found.step == step
             t = time.perf_counter()

@@ -123,7 +123,7 @@ def ours(cfg: RunConfig, dist: engine.Dist) -> tuple[Callable[[int], torch.Tenso
         for group in run.engine.optimizer.param_groups:
             group["lr"] = lr
         loss, _, verdict = train_step(
-            run, timer, faults, run.train_data.consumed_samples, want_grad_norm=False
+            run, timer, faults, batch_start=run.train_data.consumed_samples, want_grad_norm=False
         )
         bad, _ = verdict.wait()
         if bad:

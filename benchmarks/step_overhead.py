@@ -88,7 +88,9 @@ def main() -> None:
         lr = lr_at(done[0], cfg.optimizer.lr, cfg.schedule)
         for g in opt.param_groups:
             g["lr"] = lr
-        out = train_step(run, timer, faults, run.train_data.consumed_samples, want_grad_norm=False)
+        out = train_step(
+            run, timer, faults, batch_start=run.train_data.consumed_samples, want_grad_norm=False
+        )
         if len(out) == 3:  # the agreement started inside the step
             out[2].wait()
         else:  # before it was: agree after the step

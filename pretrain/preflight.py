@@ -526,7 +526,7 @@ def check_run_dir(cfg: RunConfig, opts: Options, report: Report) -> None:
     skipped: list[str] = []
 
     def check(p: Path) -> list[str]:
-        return checkpoint.verify(p, opts.checksums)
+        return checkpoint.verify(p, checksums=opts.checksums)
 
     try:
         if opts.resume == "auto":

@@ -226,16 +226,16 @@ def test_full_or_unwritable_checkpoint_dir_is_a_start_up_error(char_dataset, tmp
     assert not any((full / "ck").iterdir())
     readonly = small_disk("1m", "ro")
     with pytest.raises(checkpoint.CheckpointError, match="is not writable: Read-only file system"):
-        checkpoint.preflight(readonly / "ck", 1000, 2, None)
+        checkpoint.preflight(readonly / "ck", need_bytes=1000, keep=2, group=None)
 
 
 def test_preflight_names_an_unwritable_dir(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(checkpoint.CheckpointError, match="is not writable: Not a directory"):
-        checkpoint.preflight(tmp_path / "file" / "ck", 1000, 2, None)
+        checkpoint.preflight(tmp_path / "file" / "ck", need_bytes=1000, keep=2, group=None)
     with pytest.raises(checkpoint.CheckpointError, match=r"needs about 1000\.0 TB"):
-        checkpoint.preflight(tmp_path / "ck", 10**15, 2, None)
-    checkpoint.preflight(tmp_path / "ck", 1000, 2, None)
+        checkpoint.preflight(tmp_path / "ck", need_bytes=10**15, keep=2, group=None)
+    checkpoint.preflight(tmp_path / "ck", need_bytes=1000, keep=2, group=None)
     assert list((tmp_path / "ck").iterdir()) == []  # the probe file is gone
 
 
@@ -261,7 +261,9 @@ def test_resume_auto_falls_back_past_invalid_checkpoints(two_ranks, tmp_path):
     meta = json.loads((ck / "step_00000010" / checkpoint.META).read_text())
     (ck / "step_00000010" / checkpoint.META).write_text(json.dumps({**meta, "step": 10}))
     reports: list[str] = []
-    found = checkpoint.find(ck, "auto", 2, 2, True, None, report=reports.append)
+    found = checkpoint.find(
+        ck, "auto", world_size=2, zero_stage=2, checksums=True, group=None, report=reports.append
+    )
     assert found is not None and found.tag == "step_00000003" and found.step == 3
     text = "\n".join(reports)
     assert "step_00000010: newer than `latest` (step_00000008), its save did not finish; ignored" in text
@@ -270,10 +272,17 @@ def test_resume_auto_falls_back_past_invalid_checkpoints(two_ranks, tmp_path):
     assert "step_00000006 is invalid, skipped; trying the previous one" in text
     assert "mp_rank_00_model_states.pt: sha256 differs from the one recorded at save" in text
     # without checksums a flipped byte goes unseen: step 6 is picked
-    assert checkpoint.find(ck, "auto", 2, 2, False, None, report=reports.append).tag == "step_00000006"  # type: ignore[union-attr]
+    assert (
+        checkpoint.find(
+            ck, "auto", world_size=2, zero_stage=2, checksums=False, group=None, report=reports.append
+        ).tag
+        == "step_00000006"
+    )  # type: ignore[union-attr]
     # on another world size, the same checkpoint needs its universal conversion
     with pytest.raises(checkpoint.CheckpointError, match=r"pretrain convert .*step_00000003"):
-        checkpoint.find(ck, "auto", 1, 2, True, None, report=reports.append)
+        checkpoint.find(
+            ck, "auto", world_size=1, zero_stage=2, checksums=True, group=None, report=reports.append
+        )
 
 
 def test_retention_keeps_last_k_milestones_and_best(tmp_path):

@@ -566,6 +566,11 @@ class CheckpointConfig(Section):
         3, ge=0, description="Rollbacks one run may make before it stops with an error."
     )
 
+    def due(self, step: int, max_steps: int, stop_requested: bool = False) -> bool:
+        """Whether step `step` (1-based, just done) saves: every `interval`, at the end, and when a
+        signal asks the run to stop."""
+        return step % self.interval == 0 or step == max_steps or stop_requested
+
 
 class LoggingConfig(Section):
     run_dir: str = Field(
@@ -597,6 +602,14 @@ class LoggingConfig(Section):
         description="Device peak TFLOP/s per rank for MFU. None: known GPUs from a table, "
         "the CPU from a matmul probe cached on disk.",
     )
+
+    def log_due(self, step: int, max_steps: int) -> bool:
+        """Whether step `step` (1-based) logs a metrics row: every `log_interval`, and at the end."""
+        return step % self.log_interval == 0 or step == max_steps
+
+    def eval_due(self, step: int, max_steps: int) -> bool:
+        """Whether step `step` (1-based, just done) evaluates: every `eval_interval`, and at the end."""
+        return step % self.eval_interval == 0 or step == max_steps
 
 
 # Values that reach a shell on every host (DeepSpeed's pdsh runner, launch/*.sh): no spaces, quotes,

@@ -40,6 +40,7 @@ from pretrain.data.tokenizer import BPE_RANKS_FILE
 from pretrain.errors import CheckpointError, DataError
 from pretrain.files import format_bytes as _size
 from pretrain.files import fsync_dir, replace_dir, write_atomic
+from pretrain.training import rundir
 from pretrain.training.guards import Faults, barrier, gather, world_of
 
 META = "pretrain_meta.json"
@@ -115,7 +116,7 @@ def estimate_bytes(cfg: RunConfig) -> int:
     return analytic_num_params(cfg.model) * (weights + 12) + 64_000
 
 
-def preflight(ckpt_dir: Path, need_bytes: int, keep: int, group: Any) -> None:
+def preflight(ckpt_dir: Path, *, need_bytes: int, keep: int, group: Any) -> None:
     """Every rank: the checkpoint dir exists, is writable, and has room for a checkpoint. All ranks
     raise the same CheckpointError if any rank finds a problem. Rank 0 then removes leftovers of
     interrupted saves (`.tmp-*`) and prunes (`.trash-*`)."""
@@ -195,7 +196,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def restore_rng(states: list[dict[str, Any]] | None, rank: int, world_size: int, seed: int, step: int) -> str:
+def restore_rng(
+    states: list[dict[str, Any]] | None, *, rank: int, world_size: int, seed: int, step: int
+) -> str:
     """Each rank takes back its own generators; on another world size they are reseeded from
     (seed, step, rank), as they cannot continue. Returns what was done, for the log."""
     if states and len(states) == world_size:
@@ -207,6 +210,52 @@ def restore_rng(states: list[dict[str, Any]] | None, rank: int, world_size: int,
     np.random.seed(s % 2**32)
     saved = len(states) if states else 0
     return f"reseeded (saved by {saved} ranks, running on {world_size})"
+
+
+def gather_rng(group: Any) -> list[dict[str, Any]]:
+    """Every rank's generators, in rank order (all ranks get the list; rank 0's copy is saved)."""
+    return gather(rng_state(), group)
+
+
+# ---------------------------------------------------------------------------------------------
+# The client state: what a checkpoint holds besides DeepSpeed's own state
+
+
+def run_state(cfg: RunConfig, datasets: list[Dataset], is_main: bool) -> dict[str, Any]:
+    """The part of every checkpoint's client state that does not change during the run: the config,
+    the data it trains on, and (from rank 0, whose copy is saved) the code and package versions."""
+    return {
+        "config": cfg.model_dump(mode="json"),
+        "tokenizer_fingerprint": datasets[0].manifest["tokenizer"]["fingerprint"],
+        "data_manifest_sha256": datasets_sha256(datasets),
+        "versions": {"packages": rundir.package_versions(), "code": rundir.code_version()} if is_main else {},
+        "zero_stage": cfg.zero.stage,
+        "precision": cfg.precision.name,
+    }
+
+
+def client_state(
+    constant: dict[str, Any],
+    *,
+    step: int,
+    tokens_seen: int,
+    loader: dict[str, Any],
+    val_loss: float | None,
+    skip_batches: set[int],
+    group: Any,
+) -> dict[str, Any]:
+    """The client state saved with the checkpoint of `step`: the `run_state` (`constant`), where
+    the run is (tokens seen, the loader's position, the batches it skips), the val loss evaluated
+    at this step (None if it did not evaluate), and every rank's generators (a collective)."""
+    return {
+        **constant,
+        "step": step,
+        "tokens_seen": tokens_seen,
+        "loader": loader,
+        "val_loss": val_loss,
+        "skip_batches": sorted(skip_batches),
+        "rng": gather_rng(group),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,8 +315,9 @@ def recorder(engine: Any) -> _RecordingEngine:
 def save(
     engine: Any,
     ckpt_dir: Path,
-    step: int,
     client_state: dict[str, Any],
+    *,
+    step: int,
     policy: CheckpointConfig,
     group: Any,
     tokenizer_file: Path | None = None,
@@ -430,7 +480,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def verify(path: Path, checksums: bool = True, rank: int = 0, world: int = 1) -> list[str]:
+def verify(path: Path, *, checksums: bool = True, rank: int = 0, world: int = 1) -> list[str]:
     """Problems with a checkpoint directory: its meta, and every file its manifest lists (this
     rank's share of them: file i is checked by rank i % world). Empty if it is sound."""
     try:
@@ -463,7 +513,9 @@ def verify(path: Path, checksums: bool = True, rank: int = 0, world: int = 1) ->
 def verify_all(path: Path, checksums: bool, group: Any) -> list[str]:
     """`verify` with the files shared out over the ranks; every rank gets every problem."""
     rank, world = world_of(group)
-    return [p for part in gather(verify(path, checksums, rank, world), group) for p in part]
+    return [
+        p for part in gather(verify(path, checksums=checksums, rank=rank, world=world), group) for p in part
+    ]
 
 
 @dataclass(frozen=True)
@@ -553,12 +605,13 @@ def locate(src: Path, check: Callable[[Path], list[str]], report: Callable[[str]
 def open_checkpoint(src: Path, checksums: bool = True, report: Callable[[str], None] = _stderr) -> Path:
     """`locate` for one process: every file of the checkpoint checked against its manifest (sizes,
     and sha256 with `checksums`)."""
-    return locate(src, lambda p: verify(p, checksums), report)
+    return locate(src, lambda p: verify(p, checksums=checksums), report)
 
 
 def find(
     ckpt_dir: Path,
     spec: str,
+    *,
     world_size: int,
     zero_stage: int,
     checksums: bool,
@@ -601,7 +654,7 @@ def find(
     return Checkpoint(chosen.root, f"{chosen.tag}/{UNIVERSAL}", read_meta(uni))
 
 
-def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], warn: bool = True) -> None:
+def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], *, warn: bool = True) -> None:
     """Refuse to continue a checkpoint with another architecture or tokenizer; warn on other data."""
     problems = []
     saved_model = ckpt.meta.get("config", {}).get("model", {})
@@ -726,8 +779,3 @@ def convert_to_universal(src: Path, workers: int = 1, checksums: bool = True) ->
     write_atomic(tmp / META, json.dumps(umeta, indent=1) + "\n")
     replace_dir(tmp, out)
     return out
-
-
-def gather_rng(group: Any) -> list[dict[str, Any]]:
-    """Every rank's generators, in rank order (all ranks get the list; rank 0's copy is saved)."""
-    return gather(rng_state(), group)

@@ -32,6 +32,7 @@ def sample(
     engine: Any,
     tokenizer: Any,
     prompt: str,
+    *,
     max_new_tokens: int,
     seed: int,
     temperature: float = 0.8,

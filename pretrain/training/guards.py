@@ -1,6 +1,7 @@
 """What keeps a run of many ranks in step: a small gloo group for host-side agreement, a stop
-signal that every rank honours at the same step, the non-finite-loss flag they agree on, and the
-fault-injection hooks the tests use.
+signal that every rank honours at the same step, the non-finite-loss flag they agree on, the
+fault-injection hooks the tests use, and the `Sentinel` that holds the last two and the hang
+watchdog for the training loop.
 """
 
 from __future__ import annotations
@@ -11,10 +12,15 @@ import signal
 import threading
 import time
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as tdist
+
+from pretrain.config.tree import RunConfig
+from pretrain.training.engine import Dist
+from pretrain.training.watchdog import Watchdog
 
 # ---------------------------------------------------------------------------------------------
 # Collectives over a small gloo group (flags and file lists stay off the GPU); no-ops alone.
@@ -180,3 +186,51 @@ class Faults:
             return False
         marker.write_text("fired\n")
         return True
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop's guards, together
+
+
+class Sentinel:
+    """What watches one rank's training loop: the hang watchdog (watchdog.py), the stop signal and
+    the fault-injection hooks. Built before the first step, which it gives the watchdog's larger
+    allowance; `tick` after every step re-arms the watchdog and fires the faults due after it.
+
+    A context manager: on the way out, even through an error, it stops the watchdog. `close` (the
+    loop's normal end) also gives SIGTERM and SIGINT back their previous handlers; after an error
+    they stay with the stopped loop, as they always have."""
+
+    def __init__(self, cfg: RunConfig, dist: Dist, start_step: int) -> None:
+        self.rank = dist.rank
+        self.watchdog = Watchdog(cfg.watchdog, cfg.run_dir(), rank=dist.rank, world_size=dist.world_size)
+        self.watchdog.slow("the first step", start_step)
+        self.faults = Faults(cfg.run_dir(), cfg.batch.sequences)
+        self._stop = StopOnSignal().install()
+
+    def __enter__(self) -> Sentinel:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.watchdog.close()
+
+    @property
+    def signum(self) -> int | None:
+        """The signal this rank was asked to stop by, if any (the ranks agree on it in the step)."""
+        return self._stop.signum
+
+    def expect(self, what: str, step: int) -> None:
+        """`what` comes next, after `step`, and may take the watchdog's slow allowance."""
+        self.watchdog.slow(what, step)
+
+    def tick(self, step: int) -> None:
+        """`step` is done: the next must finish within the watchdog's timeout; the faults injected
+        after `step` fire now."""
+        self.watchdog.beat(step)
+        self.faults.after_step(step, self.rank)
+
+    def close(self) -> None:
+        self._stop.uninstall()
+        self.watchdog.close()

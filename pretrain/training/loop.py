@@ -18,7 +18,7 @@ import torch
 from pretrain.cluster.hardware import cpu_native_bf16, device_peak_tflops
 from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
 from pretrain.config.tree import RunConfig, analytic_num_params
-from pretrain.data.dataset import TOKENIZER_FILE, Dataset, datasets_sha256, open_datasets, resolve_vocab
+from pretrain.data.dataset import TOKENIZER_FILE, Dataset, open_datasets, resolve_vocab
 from pretrain.data.loader import ShardedLoader
 from pretrain.data.tokenizer import Tokenizer, load_tokenizer
 from pretrain.errors import CheckpointError, OutputError
@@ -26,7 +26,7 @@ from pretrain.training import checkpoint, rundir
 from pretrain.training import engine as ds_engine
 from pretrain.training.engine import Dist
 from pretrain.training.evaluate import evaluate, sample
-from pretrain.training.guards import Agreement, Faults, StopOnSignal, control_group, gather, start_agreement
+from pretrain.training.guards import Agreement, Faults, Sentinel, control_group, gather, start_agreement
 from pretrain.training.metrics import (
     MetricsLog,
     PhaseTimer,
@@ -38,10 +38,9 @@ from pretrain.training.metrics import (
     summarize,
 )
 from pretrain.training.schedule import lr_at
-from pretrain.training.watchdog import Watchdog
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainResult:
     start_step: int
     final_step: int
@@ -70,6 +69,10 @@ class Run:
     resume_from: checkpoint.Checkpoint | None
     params: list[torch.nn.Parameter] = field(default_factory=list)  # the module's, listed once for clipping
 
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch.sequences * self.cfg.model.block_size
+
 
 @dataclass
 class Progress:
@@ -81,6 +84,14 @@ class Progress:
     bad_streak: list[int] = field(default_factory=list)  # batch starts of the non-finite steps in a row
     skipped_steps: list[int] = field(default_factory=list)
     rollbacks: list[int] = field(default_factory=list)
+
+    def advance(self, tokens: int) -> int:
+        """One more step done, on `tokens` tokens (it ends a streak of non-finite steps); returns the
+        steps done."""
+        self.bad_streak.clear()
+        self.step += 1
+        self.tokens_seen += tokens
+        return self.step
 
 
 class Interval:
@@ -97,152 +108,76 @@ class Interval:
         self.timer.reset()
         self.steps, self.t0 = 0, time.perf_counter()
 
+    def add(self, step_loss: torch.Tensor) -> None:
+        """One more step, with its summed loss (still on the device)."""
+        self.loss_sum += step_loss
+        self.steps += 1
+
+    def restart_clock(self) -> None:
+        """Leave what just ran (an evaluation, a checkpoint save) out of the interval's throughput."""
+        self.t0 = time.perf_counter()
+
 
 def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> TrainResult:
     """Train `cfg` on this rank. `resume`: "auto" (or True) continues from the newest valid
     checkpoint in the run's checkpoint dir, if any; a path continues from that checkpoint."""
-    with Watchdog(cfg.watchdog, cfg.run_dir(), dist.rank, dist.world_size) as dog:
-        return _train(cfg, dist, resume, dog)
-
-
-def _train(cfg: RunConfig, dist: Dist, resume: bool | str | None, dog: Watchdog) -> TrainResult:
     run = setup(cfg, dist, resume)
-    cfg, engine, train_data, b = run.cfg, run.engine, run.train_data, run.cfg.batch
-    at = Progress()
-    if run.resume_from is not None:
-        _restore(run, run.resume_from, at)
-    start_step = at.step
-    dog.slow("the first step", at.step)  # the hang watchdog: see watchdog.py
-    saved = _constant_state(run)
-    faults = Faults(cfg.run_dir(), b.sequences)
-    stop = StopOnSignal().install()
-    stopping = 0  # the signal that asked the run to stop, agreed by all ranks
-    # MFU: model FLOPs per token (6N + attention) against the device's peak, known to rank 0.
-    peak_tflops, peak_source = (
-        device_peak_tflops(engine.device, cfg.precision.name, cfg.logging.peak_tflops)
-        if dist.is_main
-        else (None, "")
-    )
-    dist.log(
-        f"MFU against a peak of {f'{peak_tflops:.3g} TFLOP/s per rank' if peak_tflops else 'unknown'} ({peak_source})"
-    )
-    if engine.device.type == "cpu" and cfg.precision.name == "fp32" and (isa := cpu_native_bf16()):
-        dist.log(
-            f"this CPU multiplies bf16 natively ({isa}): --set precision.bf16=true trains faster "
-            "(1.6x for the medium preset on a Zen 4 CPU, see docs/speed.md)"
-        )
-    log = MetricsLog(
-        cfg.run_dir(),
-        cfg.schedule.max_steps,
-        enabled=dist.is_main,
-        monitor=quiet_monitor(engine),
-        start_step=at.step,
-        progress=cfg.logging.progress_bar,
-    )
-    tokens_per_step = b.sequences * cfg.model.block_size
-    losses: dict[int, float] = {}
-    val_loss: float | None = None
-    interval = Interval(engine.device)
-    while at.step < cfg.schedule.max_steps:
-        last = at.step + 1 == cfg.schedule.max_steps
-        log_step = (at.step + 1) % cfg.logging.log_interval == 0 or last
-        # 1. learning rate, a pure function of the step, so a resume needs no scheduler state
-        lr = lr_at(at.step, cfg.optimizer.lr, cfg.schedule)
-        for group in engine.optimizer.param_groups:
-            group["lr"] = lr
-        batch_start = train_data.consumed_samples
-        if batch_start in at.skip_batches:  # it made the run roll back: move the data past it
-            for _ in range(b.gradient_accumulation_steps):
-                train_data.next_batch()
-            dist.log(f"step {at.step + 1}: skipped the batch at sample {batch_start} (it led to a rollback)")
-            continue
-        # 2. micro-steps; DeepSpeed reduces gradients and steps the optimizer on the last one
-        step_loss, grad_norm, verdict = train_step(
-            run, interval.timer, faults, batch_start, want_grad_norm=log_step, signum=stop.signum
-        )
-        # 2b. all ranks agree on a non-finite loss anywhere, and on a stop signal: one host read of
-        # the loss a step, the price of never training on a NaN; the collective went off before the
-        # last backward and is only waited for here. A bad step is not counted: the next batch is
-        # tried for the same step (DeepSpeed skipped the update); M in a row roll back.
-        bad, stopping = verdict.wait()
-        if bad:
-            dog.slow("the retry after a non-finite loss (or its rollback)", at.step)
-            if _on_bad_step(run, at, batch_start):
+    cfg, max_steps = run.cfg, run.cfg.schedule.max_steps
+    progress = _start(run)
+    start_step = progress.step
+    with Sentinel(cfg, dist, start_step) as sentinel:  # watchdog, stop signal, faults
+        run_state = checkpoint.run_state(cfg, run.datasets, dist.is_main)
+        log, peak = _open_log(run, start_step)  # peak: the device's TFLOP/s per rank, for the MFU
+        interval = Interval(run.engine.device)
+        timer, faults = interval.timer, sentinel.faults
+        losses: dict[int, float] = {}
+        val_loss: float | None = None
+        stop_requested = 0  # the signal that asked the run to stop, agreed by all ranks
+        while progress.step < max_steps:
+            step = progress.step  # the steps done; this one is step + 1
+            log_due = cfg.logging.log_due(step + 1, max_steps)
+            # 1. learning rate, a pure function of the step, so a resume needs no scheduler state
+            lr = _set_lr(run, step)
+            batch_start = run.train_data.consumed_samples
+            if batch_start in progress.skip_batches:  # it made the run roll back: move the data past it
+                _skip_batch(run, step, batch_start)
+                continue
+            # 2. micro-steps; DeepSpeed reduces gradients and steps the optimizer on the last one
+            step_loss, grad_norm, verdict = train_step(
+                run, timer, faults, batch_start=batch_start, want_grad_norm=log_due, signum=sentinel.signum
+            )
+            # 2b. all ranks agree on a non-finite loss anywhere and on a stop signal: one host read of the
+            # loss a step, the price of never training on a NaN (the collective went off before the last
+            # backward). A bad step is not counted: the next batch is tried for it; M in a row roll back.
+            bad, stop_requested = verdict.wait()
+            if bad:
+                if _on_bad_step(run, progress, sentinel, batch_start=batch_start):
+                    interval.reset()
+                continue
+            if step == start_step:
+                _log_first_step(dist)
+            interval.add(step_loss)
+            step = progress.advance(run.tokens_per_step)
+            # 3. log: the metrics' one host sync, once per log interval (one all_gather, then .tolist())
+            if log_due:
+                losses[step] = _log(run, log, interval, progress, lr=lr, grad_norm=grad_norm, peak=peak)
                 interval.reset()
-            continue
-        at.bad_streak.clear()
-        if at.step == start_step:
-            since = seconds_since_process_start()
-            dist.log(
-                f"first step done {since:.1f} s after the command started"
-                if since is not None
-                else "first step done"
-            )
-        interval.loss_sum += step_loss
-        interval.steps += 1
-        at.step += 1
-        at.tokens_seen += tokens_per_step
-
-        # 3. log: the metrics' one host sync, once per log interval (one all_gather, then .tolist())
-        if log_step:
-            losses[at.step] = _log(run, log, interval, at, lr, grad_norm, peak_tflops)
-            interval.reset()
-        else:
-            log.progress(at.step)
-
-        # 4. evaluate
-        evaluated = at.step % cfg.logging.eval_interval == 0 or last
-        if evaluated:
-            dog.slow("the evaluation", at.step)
-            val_loss, val_ppl = evaluate(engine, run.val_data, cfg.logging.eval_batches)
-            log.log(at.step, samples=int(engine.global_samples), val_loss=val_loss, val_ppl=val_ppl)
-            interval.t0 = time.perf_counter()
-
-        # 5. checkpoint: every interval, at the end, and when a signal asks the run to stop
-        if at.step % cfg.checkpoint.interval == 0 or last or stopping:
-            dog.slow("the checkpoint save", at.step)
-            state = {
-                **saved,
-                "step": at.step,
-                "tokens_seen": at.tokens_seen,
-                "loader": train_data.state_dict(),
-                "val_loss": val_loss if evaluated else None,
-                "skip_batches": sorted(at.skip_batches),
-                "rng": checkpoint.gather_rng(run.ctrl),
-            }
-            tokenizer_file = run.datasets[0].dir / TOKENIZER_FILE
-            tag = checkpoint.save(
-                engine, run.ckpt_dir, at.step, state, cfg.checkpoint, run.ctrl, tokenizer_file, faults
-            )
-            dist.log(f"saved checkpoint {run.ckpt_dir / tag}")
-            interval.t0 = time.perf_counter()
-        if stopping:
-            dist.log(
-                f"stopped by {signal.Signals(stopping).name} at step {at.step}; resume with --resume auto"
-            )
-            break
-        dog.beat(at.step)
-        faults.after_step(at.step, dist.rank)
-
-    stop.uninstall()
-    dog.close()
-    text = None
-    if cfg.logging.sample_tokens > 0 and not stopping:
-        text = sample(
-            engine, run.tokenizer, cfg.logging.sample_prompt, cfg.logging.sample_tokens, seed=cfg.seed
-        )
-        dist.log(f"\n--- sample ({cfg.logging.sample_tokens} tokens) ---\n{text}\n---")
-    log.close()
-    return TrainResult(
-        start_step,
-        at.step,
-        losses,
-        val_loss,
-        text,
-        type(engine.basic_optimizer).__name__,
-        skipped_steps=at.skipped_steps,
-        rollbacks=at.rollbacks,
-        stopped_by=signal.Signals(stopping).name if stopping else None,
+            else:
+                log.progress(step)
+            # 4. evaluate
+            if evaluated := cfg.logging.eval_due(step, max_steps):
+                val_loss = _evaluate(run, log, sentinel, step=step)
+                interval.restart_clock()
+            # 5. checkpoint: every interval, at the end, and when a signal asks the run to stop
+            if cfg.checkpoint.due(step, max_steps, stop_requested=bool(stop_requested)):
+                _save(run, progress, run_state, sentinel, val_loss=val_loss if evaluated else None)
+                interval.restart_clock()
+            if stop_requested:  # saved on every rank just above
+                break
+            sentinel.tick(step)
+        sentinel.close()
+    return _finish(
+        run, log, progress, start_step=start_step, losses=losses, val_loss=val_loss, signum=stop_requested
     )
 
 
@@ -250,6 +185,7 @@ def train_step(
     run: Run,
     timer: PhaseTimer,
     faults: Faults,
+    *,
     batch_start: int,
     want_grad_norm: bool,
     signum: int | None = None,
@@ -318,12 +254,20 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
     if refused := next((r for r in gather(refused, ctrl) if r), None):
         raise OutputError(refused)
     # Checkpoints: a writable dir with room for one, and the one to resume from, before any work.
-    checkpoint.preflight(ckpt_dir, checkpoint.estimate_bytes(cfg), cfg.checkpoint.keep_last, ctrl)
+    checkpoint.preflight(
+        ckpt_dir, need_bytes=checkpoint.estimate_bytes(cfg), keep=cfg.checkpoint.keep_last, group=ctrl
+    )
     resume_from = None
     if resume:
         spec = "auto" if resume is True else str(resume)
         resume_from = checkpoint.find(
-            ckpt_dir, spec, dist.world_size, cfg.zero.stage, cfg.checkpoint.checksums, ctrl, report=dist.log
+            ckpt_dir,
+            spec,
+            world_size=dist.world_size,
+            zero_stage=cfg.zero.stage,
+            checksums=cfg.checkpoint.checksums,
+            group=ctrl,
+            report=dist.log,
         )
         if resume_from is not None:
             checkpoint.check_compatible(resume_from, cfg, datasets, warn=dist.is_main)
@@ -396,31 +340,147 @@ def _banner(run: Run) -> str:
     )
 
 
-def _constant_state(run: Run) -> dict[str, Any]:
-    """The part of every checkpoint's client state that does not change during the run."""
-    cfg = run.cfg
-    return {
-        "config": cfg.model_dump(mode="json"),
-        "tokenizer_fingerprint": run.datasets[0].manifest["tokenizer"]["fingerprint"],
-        "data_manifest_sha256": datasets_sha256(run.datasets),
-        "versions": {"packages": rundir.package_versions(), "code": rundir.code_version()}
-        if run.dist.is_main
-        else {},
-        "zero_stage": cfg.zero.stage,
-        "precision": cfg.precision.name,
-    }
+def _start(run: Run) -> Progress:
+    """Where the run starts: step 0, or the checkpoint it resumes from."""
+    progress = Progress()
+    if run.resume_from is not None:
+        _restore(run, run.resume_from, progress)
+    return progress
+
+
+def _open_log(run: Run, start_step: int) -> tuple[MetricsLog, float | None]:
+    """The metrics log, and the device peak (TFLOP/s per rank) that MFU is measured against: model
+    FLOPs per token (6N + attention) against the device's peak, known to rank 0."""
+    cfg, dist, engine = run.cfg, run.dist, run.engine
+    peak_tflops, peak_source = (
+        device_peak_tflops(engine.device, cfg.precision.name, cfg.logging.peak_tflops)
+        if dist.is_main
+        else (None, "")
+    )
+    dist.log(
+        f"MFU against a peak of {f'{peak_tflops:.3g} TFLOP/s per rank' if peak_tflops else 'unknown'} ({peak_source})"
+    )
+    if engine.device.type == "cpu" and cfg.precision.name == "fp32" and (isa := cpu_native_bf16()):
+        dist.log(
+            f"this CPU multiplies bf16 natively ({isa}): --set precision.bf16=true trains faster "
+            "(1.6x for the medium preset on a Zen 4 CPU, see docs/speed.md)"
+        )
+    log = MetricsLog(
+        cfg.run_dir(),
+        cfg.schedule.max_steps,
+        enabled=dist.is_main,
+        monitor=quiet_monitor(engine),
+        start_step=start_step,
+        progress=cfg.logging.progress_bar,
+    )
+    return log, peak_tflops
+
+
+def _set_lr(run: Run, step: int) -> float:
+    """Set the LR of step `step` (0-based) on every parameter group; returns it."""
+    lr = lr_at(step, run.cfg.optimizer.lr, run.cfg.schedule)
+    for group in run.engine.optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def _skip_batch(run: Run, step: int, batch_start: int) -> None:
+    """Move the data past the global batch at `batch_start`, one that made the run roll back."""
+    for _ in range(run.cfg.batch.gradient_accumulation_steps):
+        run.train_data.next_batch()
+    run.dist.log(f"step {step + 1}: skipped the batch at sample {batch_start} (it led to a rollback)")
+
+
+def _log_first_step(dist: Dist) -> None:
+    since = seconds_since_process_start()
+    dist.log(
+        f"first step done {since:.1f} s after the command started" if since is not None else "first step done"
+    )
+
+
+def _evaluate(run: Run, log: MetricsLog, sentinel: Sentinel, *, step: int) -> float:
+    """Evaluate after `step` and log the val loss and perplexity; returns the val loss."""
+    sentinel.expect("the evaluation", step)
+    val_loss, val_ppl = evaluate(run.engine, run.val_data, run.cfg.logging.eval_batches)
+    log.log(step, samples=int(run.engine.global_samples), val_loss=val_loss, val_ppl=val_ppl)
+    return val_loss
+
+
+def _save(
+    run: Run, progress: Progress, run_state: dict[str, Any], sentinel: Sentinel, *, val_loss: float | None
+) -> None:
+    """Save the checkpoint of `progress.step` on every rank; `val_loss`: evaluated at this step."""
+    sentinel.expect("the checkpoint save", progress.step)
+    state = checkpoint.client_state(
+        run_state,
+        step=progress.step,
+        tokens_seen=progress.tokens_seen,
+        loader=run.train_data.state_dict(),
+        val_loss=val_loss,
+        skip_batches=progress.skip_batches,
+        group=run.ctrl,
+    )
+    tag = checkpoint.save(
+        run.engine,
+        run.ckpt_dir,
+        state,
+        step=progress.step,
+        policy=run.cfg.checkpoint,
+        group=run.ctrl,
+        tokenizer_file=run.datasets[0].dir / TOKENIZER_FILE,
+        faults=sentinel.faults,
+    )
+    run.dist.log(f"saved checkpoint {run.ckpt_dir / tag}")
+
+
+def _finish(
+    run: Run,
+    log: MetricsLog,
+    progress: Progress,
+    *,
+    start_step: int,
+    losses: dict[int, float],
+    val_loss: float | None,
+    signum: int,
+) -> TrainResult:
+    """The end of the run: the stop by signal `signum` (0: none), or the final sample
+    (logging.sample_tokens); then the result."""
+    cfg, dist = run.cfg.logging, run.dist
+    stopped_by = signal.Signals(signum).name if signum else None
+    text = None
+    if stopped_by:
+        dist.log(f"stopped by {stopped_by} at step {progress.step}; resume with --resume auto")
+    elif cfg.sample_tokens > 0:
+        text = sample(
+            run.engine, run.tokenizer, cfg.sample_prompt, max_new_tokens=cfg.sample_tokens, seed=run.cfg.seed
+        )
+        dist.log(f"\n--- sample ({cfg.sample_tokens} tokens) ---\n{text}\n---")
+    log.close()
+    return TrainResult(
+        start_step=start_step,
+        final_step=progress.step,
+        losses=losses,
+        val_loss=val_loss,
+        sample=text,
+        optimizer=type(run.engine.basic_optimizer).__name__,
+        skipped_steps=progress.skipped_steps,
+        rollbacks=progress.rollbacks,
+        stopped_by=stopped_by,
+    )
 
 
 def _log(
     run: Run,
     log: MetricsLog,
     interval: Interval,
-    at: Progress,
+    progress: Progress,
+    *,
     lr: float,
     grad_norm: torch.Tensor | None,
-    peak_tflops: float | None,
+    peak: float | None,
 ) -> float:
-    """A log step: every rank's interval in one all_gather, one row; returns the train loss."""
+    """A log step: every rank's interval in one all_gather, one row; returns the train loss. `peak`:
+    the device's TFLOP/s per rank that MFU is measured against (None: unknown, or not rank 0)."""
     cfg, engine, b = run.cfg, run.engine, run.cfg.batch
     ranks = gather_interval(
         interval.loss_sum, interval.timer, time.perf_counter() - interval.t0, engine.device
@@ -432,68 +492,78 @@ def _log(
         block_size=cfg.model.block_size,
         micro_steps=b.gradient_accumulation_steps,
         flops_per_token=engine.module.flops_per_token(),
-        peak_tflops=peak_tflops,
+        peak_tflops=peak,
     )
     norm = grad_norm if grad_norm is not None else engine.get_global_grad_norm()
     loss_scale = getattr(engine.optimizer, "loss_scale", None) if cfg.precision.fp16 else None
     samples = int(engine.global_samples)
-    values = dict(lr=lr, grad_norm=_float(norm), loss_scale=_float(loss_scale), tokens_seen=at.tokens_seen)
-    log.log(at.step, samples=samples, **values, **row)
-    log.log_ranks(at.step, per_rank, samples=samples)
-    log.progress(at.step, row["loss"], row["tokens_per_s"])
+    values = dict(
+        lr=lr, grad_norm=_float(norm), loss_scale=_float(loss_scale), tokens_seen=progress.tokens_seen
+    )
+    log.log(progress.step, samples=samples, **values, **row)
+    log.log_ranks(progress.step, per_rank, samples=samples)
+    log.progress(progress.step, row["loss"], row["tokens_per_s"])
     return float(row["loss"])
 
 
-def _on_bad_step(run: Run, at: Progress, batch_start: int) -> bool:
+def _on_bad_step(run: Run, progress: Progress, sentinel: Sentinel, *, batch_start: int) -> bool:
     """After a non-finite loss: skip the step (DeepSpeed did not apply the update) or, after
     checkpoint.max_bad_steps in a row or an applied update, roll back to the newest checkpoint and
     skip the batches that led there. Returns True if it rolled back."""
+    sentinel.expect("the retry after a non-finite loss (or its rollback)", progress.step)
     cfg, dist, policy = run.cfg, run.dist, run.cfg.checkpoint
-    at.bad_streak.append(batch_start)
+    progress.bad_streak.append(batch_start)
     applied = run.engine.was_step_applied()  # stage 0 in fp32 applies even a NaN update
-    if not applied and len(at.bad_streak) < policy.max_bad_steps:
-        at.skipped_steps.append(at.step + 1)
+    if not applied and len(progress.bad_streak) < policy.max_bad_steps:
+        progress.skipped_steps.append(progress.step + 1)
         dist.log(
-            f"step {at.step + 1}: non-finite loss, update skipped "
-            f"({len(at.bad_streak)} in a row, rollback at {policy.max_bad_steps})"
+            f"step {progress.step + 1}: non-finite loss, update skipped "
+            f"({len(progress.bad_streak)} in a row, rollback at {policy.max_bad_steps})"
         )
         return False
-    if len(at.rollbacks) >= policy.max_rollbacks:
+    if len(progress.rollbacks) >= policy.max_rollbacks:
         raise CheckpointError(
-            f"step {at.step + 1}: non-finite loss again after {len(at.rollbacks)} rollbacks "
+            f"step {progress.step + 1}: non-finite loss again after {len(progress.rollbacks)} rollbacks "
             f"(checkpoint.max_rollbacks); stopping"
         )
     target = checkpoint.find(
-        run.ckpt_dir, "auto", dist.world_size, cfg.zero.stage, policy.checksums, run.ctrl
+        run.ckpt_dir,
+        "auto",
+        world_size=dist.world_size,
+        zero_stage=cfg.zero.stage,
+        checksums=policy.checksums,
+        group=run.ctrl,
     )
     if target is None:
         raise CheckpointError(
-            f"step {at.step + 1}: non-finite loss {len(at.bad_streak)} steps in a row"
+            f"step {progress.step + 1}: non-finite loss {len(progress.bad_streak)} steps in a row"
             f"{' and the update was applied' if applied else ''}, and no checkpoint to roll back to"
         )
-    at.skip_batches.update(at.bad_streak)
-    at.bad_streak.clear()
+    progress.skip_batches.update(progress.bad_streak)
+    progress.bad_streak.clear()
     dist.log(
-        f"step {at.step + 1}: rolling back to {target.path} after non-finite losses"
+        f"step {progress.step + 1}: rolling back to {target.path} after non-finite losses"
         f"{' (the update was applied)' if applied else ''}; "
-        f"the batches at samples {sorted(at.skip_batches)} will be skipped"
+        f"the batches at samples {sorted(progress.skip_batches)} will be skipped"
     )
-    _restore(run, target, at)
-    at.rollbacks.append(at.step)
+    _restore(run, target, progress)
+    progress.rollbacks.append(progress.step)
     return True
 
 
-def _restore(run: Run, ckpt: checkpoint.Checkpoint, at: Progress) -> None:
-    """Load a checkpoint into the engine, the loader, the RNGs and `at`."""
+def _restore(run: Run, ckpt: checkpoint.Checkpoint, progress: Progress) -> None:
+    """Load a checkpoint into the engine, the loader, the RNGs and `progress`."""
     dist = run.dist
     state = checkpoint.load(run.engine, ckpt)
-    at.step = int(state["step"])
-    at.tokens_seen = int(state["tokens_seen"])
-    at.skip_batches |= {int(s) for s in state.get("skip_batches", [])}
+    progress.step = int(state["step"])
+    progress.tokens_seen = int(state["tokens_seen"])
+    progress.skip_batches |= {int(s) for s in state.get("skip_batches", [])}
     run.train_data.load_state_dict(state["loader"])
-    rng = checkpoint.restore_rng(state.get("rng"), dist.rank, dist.world_size, run.cfg.seed, at.step)
+    rng = checkpoint.restore_rng(
+        state.get("rng"), rank=dist.rank, world_size=dist.world_size, seed=run.cfg.seed, step=progress.step
+    )
     how = "universal checkpoint, " if ckpt.universal else ""
-    dist.log(f"resumed from {ckpt.path} at step {at.step} ({how}RNG {rng})")
+    dist.log(f"resumed from {ckpt.path} at step {progress.step} ({how}RNG {rng})")
 
 
 def _grad_norm(module: torch.nn.Module) -> torch.Tensor | None:

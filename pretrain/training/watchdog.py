@@ -2,8 +2,9 @@
 run dir and exits non-zero, so that a supervisor (`train --max-restarts`, Slurm) restarts the run
 from its newest checkpoint instead of leaving it hung until the job's wall-clock limit.
 
-The loop re-arms it after every step (`beat`) and gives the long phases (the first step, an
-evaluation, a checkpoint save) the larger allowance (`slow`). Two watchers share the deadline:
+The loop, through `guards.Sentinel`, re-arms it after every step (`beat`) and gives the long phases
+(the first step, an evaluation, a checkpoint save) the larger allowance (`slow`). Two watchers share
+the deadline:
 
 - a Python thread, which at the deadline writes `<run_dir>/hang/step_<N>/rank<R>.txt` (N: the last
   step completed) with the host, time and step, prints one line on stderr and exits with
@@ -37,7 +38,7 @@ FALLBACK_S = 10.0  # faulthandler's C thread fires this long after the deadline
 EXIT_AFTER_S = FALLBACK_S + 2  # a rank that fired exits this long after its deadline
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Armed:
     """One deadline, replaced as a whole (the watching thread reads it without a lock)."""
 
@@ -53,7 +54,7 @@ class Watchdog:
     """Watches one rank's training loop; a context manager that stops watching on the way out.
     With `cfg.timeout_s == 0` it does nothing."""
 
-    def __init__(self, cfg: WatchdogConfig, run_dir: Path, rank: int, world_size: int) -> None:
+    def __init__(self, cfg: WatchdogConfig, run_dir: Path, *, rank: int, world_size: int) -> None:
         self.cfg, self.run_dir, self.rank, self.world_size = cfg, run_dir, rank, world_size
         self._armed: _Armed | None = None
         self._fallback_at = 0.0  # when faulthandler's C thread fires (monotonic); 0: not armed
@@ -71,11 +72,11 @@ class Watchdog:
 
     def beat(self, step: int) -> None:
         """`step` is done: the next must finish within `timeout_s`."""
-        self._arm(step, f"step {step + 1}", self.cfg.timeout_s, "watchdog.timeout_s")
+        self._arm(step, f"step {step + 1}", seconds=self.cfg.timeout_s, setting="watchdog.timeout_s")
 
     def slow(self, what: str, step: int) -> None:
         """`what` comes next, after `step`: it may take up to `slow_timeout_s`."""
-        self._arm(step, what, self.cfg.slow_timeout_s, "watchdog.slow_timeout_s")
+        self._arm(step, what, seconds=self.cfg.slow_timeout_s, setting="watchdog.slow_timeout_s")
 
     def close(self) -> None:
         """Stop watching (idempotent)."""
@@ -101,7 +102,7 @@ class Watchdog:
 
     # -----------------------------------------------------------------------------------------
 
-    def _arm(self, step: int, what: str, seconds: int, setting: str) -> None:
+    def _arm(self, step: int, what: str, *, seconds: int, setting: str) -> None:
         if not self.cfg.timeout_s or self._closed:
             return
         if not seconds:  # slow_timeout_s = 0: this phase is not watched
@@ -112,7 +113,14 @@ class Watchdog:
             return
         now = time.monotonic()
         previous = self._armed
-        armed = _Armed(now + seconds, step, time.time(), what, seconds, setting)
+        armed = _Armed(
+            deadline=now + seconds,
+            step=step,
+            since=time.time(),
+            waiting_for=what,
+            seconds=seconds,
+            setting=setting,
+        )
         self._armed = armed
         # The C fallback must fire after the Python thread has had its chance (a margin of
         # FALLBACK_S / 2) and at most FALLBACK_S after the deadline; re-arming it starts a thread,
