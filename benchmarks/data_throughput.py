@@ -31,6 +31,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -200,22 +201,25 @@ def bench_formats(corpus: Path, work: Path, workers: int, tokenizer_path: str | 
         )
 
 
+def train_shards(dataset: Path) -> list[Path]:
+    return [dataset / e["path"] for e in load_manifest(dataset)["train"]]
+
+
+def one_rank_loader(paths: list[Path], block: int, micro: int, prefetch: int = 0) -> Any:
+    """The loader as one rank of one trains from it, shards read unverified (the benchmark times reads)."""
+    from pretrain.data.loader import ShardedLoader  # torch
+
+    return ShardedLoader(
+        paths, block_size=block, micro_batch_size=micro, grad_accum=1, rank=0, world_size=1, seed=0,
+        verify=False, prefetch=prefetch,
+    )  # fmt: skip
+
+
 def bench_loader(dataset: Path, block: int, micro: int, batches: int) -> tuple[float, float]:
     import torch
 
-    from pretrain.data.loader import ShardedLoader
-
-    paths = [dataset / e["path"] for e in load_manifest(dataset)["train"]]
-    loader = ShardedLoader(
-        paths,
-        block_size=block,
-        micro_batch_size=micro,
-        grad_accum=1,
-        rank=0,
-        world_size=1,
-        seed=0,
-        verify=False,
-    )
+    paths = train_shards(dataset)
+    loader = one_rank_loader(paths, block, micro)
     # The bare loops: every window of the shards, in a random order drawn beforehand.
     mms = [
         np.memmap(
@@ -270,20 +274,7 @@ def bench_prefetch(dataset: Path, block: int, micro: int, step_ms: float, steps:
     """The share of a simulated step spent waiting in next_batch, with prefetching."""
     import torch
 
-    from pretrain.data.loader import ShardedLoader
-
-    paths = [dataset / e["path"] for e in load_manifest(dataset)["train"]]
-    loader = ShardedLoader(
-        paths,
-        block_size=block,
-        micro_batch_size=micro,
-        grad_accum=1,
-        rank=0,
-        world_size=1,
-        seed=0,
-        verify=False,
-        prefetch=2,
-    )
+    loader = one_rank_loader(train_shards(dataset), block, micro, prefetch=2)
     # The step's compute on one thread, as each rank is set up on a CPU (OMP_NUM_THREADS=1); on a GPU
     # the host thread mostly waits on the device. The prefetching thread uses what is left.
     threads = torch.get_num_threads()

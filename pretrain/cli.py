@@ -257,12 +257,17 @@ def _add_launch_parsers(sub: Any) -> None:
 
 def _add_checkpoint_parsers(sub: Any) -> None:
     src_help = "A checkpoint (runs/X/checkpoints/step_N), or a run or checkpoints dir (its newest)."
-    p = sub.add_parser(
+
+    def reading_a_checkpoint(name: str, help: str) -> Any:
+        parser = sub.add_parser(name, help=help)
+        parser.add_argument("src", metavar="CHECKPOINT", help=src_help)
+        return parser
+
+    p = reading_a_checkpoint(
         "convert",
-        help="Write DeepSpeed's universal checkpoint of a ZeRO checkpoint (into CHECKPOINT/universal), "
+        "Write DeepSpeed's universal checkpoint of a ZeRO checkpoint (into CHECKPOINT/universal), "
         "so that `train --resume` can continue it on another world size.",
     )
-    p.add_argument("src", metavar="CHECKPOINT", help=src_help)
     p.add_argument(
         "--workers",
         type=_number(int, 1, high=1024),
@@ -271,12 +276,11 @@ def _add_checkpoint_parsers(sub: Any) -> None:
     )
     p.add_argument("--no-checksums", action="store_true", help="Check file sizes only, not sha256.")
 
-    p = sub.add_parser(
+    p = reading_a_checkpoint(
         "export",
-        help="Consolidated weights as safetensors, and a Hugging Face dir (model, tokenizer, generation "
+        "Consolidated weights as safetensors, and a Hugging Face dir (model, tokenizer, generation "
         "config), from any ZeRO stage.",
     )
-    p.add_argument("src", metavar="CHECKPOINT", help=src_help)
     p.add_argument(
         "--out", required=True, help="Output directory: new, empty, or a previous export (then replaced)."
     )
