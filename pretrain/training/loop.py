@@ -333,7 +333,7 @@ def _banner(run: Run) -> str:
         f"{cfg.precision.name}, ZeRO-{cfg.zero.stage}{' + offload' if cfg.zero.offload_optimizer else ''}, "
         f"world size {world}\n"
         f"batch {b.micro_batch_size} x {b.gradient_accumulation_steps} x {world} = "
-        f"{b.sequences} sequences = {b.sequences * cfg.model.block_size:,} tokens/step, "
+        f"{b.sequences} sequences = {run.tokens_per_step:,} tokens/step, "
         f"{cfg.schedule.max_steps} steps\n"
         f"data {run.datasets[0].dir}: {n_train:,} train / {n_val:,} val tokens, vocab {run.tokenizer.vocab_size}\n"
         f"run dir {cfg.run_dir()}"
