@@ -122,18 +122,20 @@ def _within(path: Path, parent: Path) -> bool:
 
 def check_output_dir(
     out: Path,
-    is_previous: Callable[[Path], bool],
+    is_previous: Callable[[Path], bool] | None,
     what: str,
     flag: str,
     *,
+    is_own_entry: Callable[[Path], bool] | None = None,
     sources: Sequence[Path] = (),
     no_inside: Sequence[Path] = (),
     error: type[PretrainError] = PretrainError,
 ) -> None:
     """Refuse an output directory whose replacement would lose something this command did not
     write. `out` may be new, empty, or a previous output of the same command (`is_previous`: then it
-    is replaced whole, atomically); never one of `sources` or a directory holding one, nor a
-    directory inside one of `no_inside`. The error names `flag`, the setting to change."""
+    is replaced whole, atomically; or, entry by entry, `is_own_entry`: then the error lists the
+    entries that are not); never one of `sources` or a directory holding one, nor a directory
+    inside one of `no_inside`. The error names `flag`, the setting to change."""
     real = out.resolve()
     for src in sources:
         if _within(src.resolve(), real):
@@ -151,11 +153,16 @@ def check_output_dir(
         return
     if not out.is_dir():
         raise error(f"{flag} {out}: exists and is not a directory; choose a new directory for {flag}")
-    entries = sorted(p.name for p in out.iterdir())
-    if entries and not is_previous(out):
-        listed = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+    if is_own_entry is not None:
+        foreign, kind = sorted(p.name for p in out.iterdir() if not is_own_entry(p)), f"part of a {what}"
+    else:
+        entries = sorted(p.name for p in out.iterdir())
+        previous = is_previous is not None and is_previous(out)
+        foreign, kind = ([] if previous else entries), f"a previous {what}"
+    if foreign:
+        listed = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         raise error(
-            f"{flag} {out}: holds files that are not a previous {what} ({listed}); refusing to replace "
+            f"{flag} {out}: holds files that are not {kind} ({listed}); refusing to replace "
             f"them: choose a new or empty directory for {flag}"
         )
 

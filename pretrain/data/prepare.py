@@ -57,7 +57,7 @@ from pretrain.data.tokenizer import (
     count_words,
 )
 from pretrain.errors import DataError, require
-from pretrain.files import format_bytes, replace_dir
+from pretrain.files import check_output_dir, format_bytes, replace_dir
 
 # DataConfig fields that do not change what prepare writes (where inputs come from, how many
 # workers, what the loader does): a change in them keeps a prepared dataset valid.
@@ -687,22 +687,6 @@ def _remove_stale(out: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _check_replaceable(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise DataError(f"{out}: exists and is not a directory (data.dataset_dir)")
-    if out.is_dir():
-        foreign = sorted(
-            p.name
-            for p in out.iterdir()
-            if not (p.name in _OWN_FILES or p.suffix == ".bin" or ".tmp-" in p.name)
-        )
-        if foreign:
-            raise DataError(
-                f"{out}: holds files that are not part of a prepared dataset ({', '.join(foreign[:3])}"
-                f"{', ...' if len(foreign) > 3 else ''}); refusing to replace it: set another data.dataset_dir"
-            )
-
-
 def _up_to_date(out: Path, cfg: DataConfig, inputs: dict[str, Any]) -> bool:
     """True if `out` holds this dataset; False if it holds none; DataError if another one."""
     if not (out / MANIFEST).exists():
@@ -741,7 +725,14 @@ def prepare(cfg: DataConfig, force: bool = False, log: Callable[[str], None] | N
             log(f"{out}: already prepared from this corpus and config (--force rebuilds it)")
         return out
     inputs = input_fingerprint(cfg)  # fetches a downloaded corpus (once: it is kept in download_dir)
-    _check_replaceable(out)
+    check_output_dir(
+        out,
+        None,
+        "prepared dataset",
+        "data.dataset_dir",
+        is_own_entry=lambda p: p.name in _OWN_FILES or p.suffix == ".bin" or ".tmp-" in p.name,
+        error=DataError,
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(out)
     staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
