@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 from pretrain.config.tree import LaunchConfig
 from pretrain.errors import HostfileError
@@ -106,19 +108,34 @@ def format_hostfile(hosts: dict[str, int]) -> str:
 MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
 
 
-def launcher_world_size(env: dict[str, str] | None = None) -> int | None:
-    """The world size as the launcher's variables give it, in `engine.launch_env`'s order, read
-    without torch: RANK's WORLD_SIZE, a Slurm step's task count, the size an MPI launcher exports
-    (the one launch_env holds mpi4py to), 1 without a launcher; None where only mpi4py knows."""
-    e = dict(os.environ) if env is None else env
+def launcher(env: Mapping[str, str] | None = None) -> Literal["env", "slurm", "mpi", "none"]:
+    """What started this process, in the order its variables are trusted: "env" when RANK is set
+    (deepspeed's launcher, torchrun), "slurm" in a Slurm job step (srun), "mpi" under an MPI
+    launcher (mpirun, mpiexec), "none" for a plain command. The one detection `engine.launch_env`
+    and `launcher_world_size` share."""
+    e = os.environ if env is None else env
     if "RANK" in e:
-        size = e.get("WORLD_SIZE", "")
-    elif "SLURM_STEP_NUM_TASKS" in e and "SLURM_PROCID" in e:
-        size = e["SLURM_STEP_NUM_TASKS"]
-    elif any(v in e for v in MPI_LAUNCHER_VARS):
-        size = e.get("OMPI_COMM_WORLD_SIZE") or e.get("PMI_SIZE") or ""
-    else:
+        return "env"
+    if "SLURM_STEP_NUM_TASKS" in e and "SLURM_PROCID" in e:
+        return "slurm"
+    if any(v in e for v in MPI_LAUNCHER_VARS):
+        return "mpi"
+    return "none"
+
+
+def launcher_world_size(env: Mapping[str, str] | None = None) -> int | None:
+    """The world size as the launcher's variables give it, read without torch: RANK's WORLD_SIZE,
+    a Slurm step's task count, the size an MPI launcher exports (the one launch_env holds mpi4py
+    to), 1 without a launcher; None where only mpi4py knows."""
+    e = os.environ if env is None else env
+    kind = launcher(e)
+    if kind == "none":
         return 1
+    size = {
+        "env": e.get("WORLD_SIZE", ""),
+        "slurm": e.get("SLURM_STEP_NUM_TASKS", ""),
+        "mpi": e.get("OMPI_COMM_WORLD_SIZE") or e.get("PMI_SIZE") or "",
+    }[kind]
     return int(size) if size.isdigit() and int(size) > 0 else None
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pretrain.cluster.launch import MPI_LAUNCHER_VARS
+from pretrain.cluster.launch import launcher
 from pretrain.config.tree import RunConfig
 from pretrain.errors import ConfigError, require
 from pretrain.training.model import GPT
@@ -48,10 +48,11 @@ def launch_env() -> Dist:
     Setting the variables here also keeps DeepSpeed from its own MPI discovery, which would take
     the master address from the first address of `hostname -I`.
     """
-    if "RANK" not in os.environ:
-        if "SLURM_STEP_NUM_TASKS" in os.environ and "SLURM_PROCID" in os.environ:
+    kind = launcher()
+    if kind != "env":
+        if kind == "slurm":
             _env_from_slurm()
-        elif any(v in os.environ for v in MPI_LAUNCHER_VARS):
+        elif kind == "mpi":
             _env_from_mpi()
         else:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
