@@ -57,6 +57,11 @@ class Section(BaseModel):
 # Sections
 
 
+def _derived(le: int, description: str, *, ge: int = 1) -> Any:
+    """A size field that None leaves to be derived: from the other fields, or from the tokenizer."""
+    return Field(None, ge=ge, le=le, description=description)
+
+
 class ModelConfig(Section):
     """The network. `arch` picks the block: `gpt2` (LayerNorm, GELU MLP, biases; learned or rotary
     positions) or `llama` (RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention, no
@@ -69,25 +74,17 @@ class ModelConfig(Section):
     )
     n_layer: int = Field(2, ge=1, le=256, description="Number of transformer blocks.")
     n_head: int = Field(2, ge=1, le=256, description="Attention (query) heads per block.")
-    n_kv_head: int | None = Field(
-        None,
-        ge=1,
-        le=256,
-        description="Key/value heads (grouped-query attention, llama only); must divide n_head. None: n_head.",
+    n_kv_head: int | None = _derived(
+        256, "Key/value heads (grouped-query attention, llama only); must divide n_head. None: n_head."
     )
     n_embd: int = Field(128, ge=8, le=65536, description="Residual stream width.")
-    intermediate_size: int | None = Field(
-        None,
-        ge=1,
-        le=1_048_576,
-        description="MLP hidden width. None: 4 n_embd for gpt2; for llama 8/3 n_embd rounded up to a multiple of 64.",
+    intermediate_size: int | None = _derived(
+        1_048_576,
+        "MLP hidden width. None: 4 n_embd for gpt2; for llama 8/3 n_embd rounded up to a multiple of 64.",
     )
     block_size: int = Field(256, ge=8, le=131072, description="Context length in tokens.")
-    vocab_size: int | None = Field(
-        None,
-        ge=2,
-        le=1_048_576,
-        description="Embedding rows. None takes the tokenizer's vocabulary size; a larger value pads it.",
+    vocab_size: int | None = _derived(
+        1_048_576, "Embedding rows. None takes the tokenizer's vocabulary size; a larger value pads it.", ge=2
     )
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout after attention, MLP and embeddings.")
     bias: bool = Field(
