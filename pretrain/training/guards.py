@@ -197,9 +197,8 @@ class Sentinel:
     the fault-injection hooks. Built before the first step, which it gives the watchdog's larger
     allowance; `tick` after every step re-arms the watchdog and fires the faults due after it.
 
-    A context manager: on the way out, even through an error, it stops the watchdog. `close` (the
-    loop's normal end) also gives SIGTERM and SIGINT back their previous handlers; after an error
-    they stay with the stopped loop, as they always have."""
+    A context manager: on the way out, even through an error, it stops the watchdog and gives
+    SIGTERM and SIGINT back their previous handlers (a failed run stays killable)."""
 
     def __init__(self, cfg: RunConfig, dist: Dist, start_step: int) -> None:
         self.rank = dist.rank
@@ -214,6 +213,7 @@ class Sentinel:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self._stop.uninstall()
         self.watchdog.close()
 
     @property
@@ -230,7 +230,3 @@ class Sentinel:
         after `step` fire now."""
         self.watchdog.beat(step)
         self.faults.after_step(step, self.rank)
-
-    def close(self) -> None:
-        self._stop.uninstall()
-        self.watchdog.close()

@@ -175,7 +175,6 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
             if stop_requested:  # saved on every rank just above
                 break
             sentinel.tick(step)
-        sentinel.close()
     return _finish(
         run, log, progress, start_step=start_step, losses=losses, val_loss=val_loss, signum=stop_requested
     )
