@@ -270,7 +270,7 @@ def export(
     atomically. `out` must be new, empty or a previous export. Returns what was written. A GPT-2
     BPE tokenizer is rebuilt from `tokenizer_path` (default: the run's data.tokenizer_path, else
     tiktoken's download)."""
-    ckpt = checkpoint.open_checkpoint(src, checksums)
+    ckpt = checkpoint.locate(src, checksums=checksums)
     check_output_dir(
         out, is_export, "export", "--out", sources=[src, ckpt], no_inside=[ckpt], error=OutputError
     )
@@ -336,7 +336,7 @@ def load_model(src: Path, device: str = "cpu", checksums: bool = True) -> tuple[
         sd = load_file(str(src / WEIGHTS))
         where = src
     else:
-        where = checkpoint.open_checkpoint(src, checksums)
+        where = checkpoint.locate(src, checksums=checksums)
         cfg = RunConfig.model_validate(checkpoint.read_meta(where)["config"])
         sd = consolidated_state_dict(where)
     model = GPT(cfg.model)

@@ -529,10 +529,7 @@ def check_run_dir(cfg: RunConfig, opts: Options, report: Report) -> None:
         return checkpoint.verify(p, checksums=opts.checksums)
 
     try:
-        if opts.resume == "auto":
-            found = checkpoint.newest_valid(ckpt_dir, check, skipped.append)
-        else:
-            found = checkpoint.locate(Path(opts.resume), check, skipped.append)
+        found = checkpoint.resume_path(ckpt_dir, opts.resume, check, skipped.append)
     except CheckpointError as e:
         report.problems.append(Problem(host, "resume", str(e), "pass a valid checkpoint, or its run dir"))
         return

@@ -28,6 +28,7 @@ import time
 from argparse import Namespace
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -555,7 +556,7 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def newest_valid(
+def _newest_valid(
     ckpt_dir: Path, check: Callable[[Path], list[str]], report: Callable[[str], None]
 ) -> Path | None:
     """The newest committed checkpoint in `ckpt_dir` that `check` finds no problem with. Every
@@ -574,10 +575,20 @@ def newest_valid(
     return None
 
 
-def locate(src: Path, check: Callable[[Path], list[str]], report: Callable[[str], None] = _stderr) -> Path:
+def locate(
+    src: Path,
+    *,
+    check: Callable[[Path], list[str]] | None = None,
+    checksums: bool = True,
+    report: Callable[[str], None] = _stderr,
+) -> Path:
     """The one way every reader (resume, convert, export, sample, preflight) turns what a person
     names into a checkpoint directory it may read: a checkpoint (`step_N`, `step_N/universal`) whose
-    files `check` finds sound, or the newest sound one of a checkpoints or run directory."""
+    files `check` finds sound, or the newest sound one of a checkpoints or run directory. `check`
+    defaults to every file against the manifest in this process (sizes, and sha256 with
+    `checksums`)."""
+    if check is None:
+        check = partial(verify, checksums=checksums)
     hint = "give a checkpoint (RUN_DIR/checkpoints/step_N), a checkpoints dir or a run dir"
     if not src.exists():
         raise CheckpointError(f"{src}: no such file or directory; {hint}")
@@ -593,7 +604,7 @@ def locate(src: Path, check: Callable[[Path], list[str]], report: Callable[[str]
         return src
     for ckpt_dir in (src, src / "checkpoints"):
         if committed_tags(ckpt_dir) != ([], []):
-            found = newest_valid(ckpt_dir, check, report)
+            found = _newest_valid(ckpt_dir, check, report)
             if found is None:
                 raise CheckpointError(
                     f"{src}: no valid checkpoint in {ckpt_dir} (each is listed above, with why)"
@@ -602,10 +613,15 @@ def locate(src: Path, check: Callable[[Path], list[str]], report: Callable[[str]
     raise CheckpointError(f"{src}: no checkpoint here; {hint}")
 
 
-def open_checkpoint(src: Path, checksums: bool = True, report: Callable[[str], None] = _stderr) -> Path:
-    """`locate` for one process: every file of the checkpoint checked against its manifest (sizes,
-    and sha256 with `checksums`)."""
-    return locate(src, lambda p: verify(p, checksums=checksums), report)
+def resume_path(
+    ckpt_dir: Path, spec: str, check: Callable[[Path], list[str]], report: Callable[[str], None]
+) -> Path | None:
+    """What a resume `spec` names: "auto", the newest valid checkpoint of `ckpt_dir` (None for a
+    run that has none yet); anything else, the checkpoint `locate` finds there. `find` and
+    preflight both ask here."""
+    if spec == "auto":
+        return _newest_valid(ckpt_dir, check, report)
+    return locate(Path(spec), check=check, report=report)
 
 
 def find(
@@ -629,7 +645,7 @@ def find(
         return verify_all(p, checksums, group)
 
     chosen: Checkpoint | None = None
-    path = newest_valid(ckpt_dir, check, report) if spec == "auto" else locate(Path(spec), check, report)
+    path = resume_path(ckpt_dir, spec, check, report)
     if path is not None:
         meta = read_meta(path)
         root = path.parent.parent if meta.get("format") == "universal" else path.parent
@@ -747,7 +763,7 @@ def convert_to_universal(src: Path, workers: int = 1, checksums: bool = True) ->
     """Write DeepSpeed's universal checkpoint of `src` into `src/universal`, atomically."""
     from deepspeed.checkpoint import ds_to_universal
 
-    src = open_checkpoint(src, checksums)
+    src = locate(src, checksums=checksums)
     meta = read_meta(src)
     if meta.get("format") == "universal":
         raise CheckpointError(f"{src} is a universal checkpoint already; `train --resume {src}` loads it")
