@@ -92,16 +92,7 @@ def test_loader_order_depends_on_seed(tmp_path: Path) -> None:
     a = global_batches(loaders(paths, 1, 4, 1, seed=1), 4)
     assert a == global_batches(loaders(paths, 1, 4, 1, seed=1), 4)
     assert a != global_batches(loaders(paths, 1, 4, 1, seed=2), 4)
-    unshuffled = ShardedLoader(
-        paths,
-        block_size=BLOCK_SIZE,
-        micro_batch_size=16,
-        grad_accum=1,
-        rank=0,
-        world_size=1,
-        seed=1,
-        shuffle=False,
-    )
+    unshuffled = loaders(paths, world=1, micro=16, accum=1, seed=1, shuffle=False)[0]
     assert sample_ids(unshuffled.next_batch()[0]) == sorted(ALL_SAMPLES)
 
 
@@ -176,16 +167,7 @@ def test_resume_mid_step_needs_the_same_layout(tmp_path: Path) -> None:
 def test_blend_is_deterministic_with_exact_shares_and_epochs_per_dataset(tmp_path: Path) -> None:
     a = make_shards(tmp_path, [4 * 50 + 1])  # 50 samples
     b = make_shards(tmp_path, [4 * 30 + 1], first=1)  # 30 samples
-    loader = ShardedLoader(
-        [a, b],
-        block_size=BLOCK_SIZE,
-        micro_batch_size=64,
-        grad_accum=1,
-        rank=0,
-        world_size=1,
-        seed=3,
-        weights=[3, 1],
-    )
+    loader = loaders([a, b], world=1, micro=64, accum=1, seed=3, weights=[3, 1])[0]
     stream = [s for _ in range(BLOCK // 64) for s in sample_ids(loader.next_batch()[0])]
     from_a = [s for s in stream if s[0] == 0]
     assert len(from_a) == BLOCK * 3 // 4  # exactly the weight's share of a blend block
@@ -193,39 +175,14 @@ def test_blend_is_deterministic_with_exact_shares_and_epochs_per_dataset(tmp_pat
         assert set(from_a[50 * e : 50 * (e + 1)]) == {(0, j) for j in range(50)}
     from_b = [s for s in stream if s[0] == 1]
     assert set(from_b[:30]) == {(1, j) for j in range(30)}
-    fifty = ShardedLoader(
-        [a, b],
-        block_size=BLOCK_SIZE,
-        micro_batch_size=50,
-        grad_accum=1,
-        rank=0,
-        world_size=1,
-        seed=3,
-        weights=[3, 1],
-    )
+    fifty = loaders([a, b], world=1, micro=50, accum=1, seed=3, weights=[3, 1])[0]
     assert [s for _ in range(4) for s in sample_ids(fifty.next_batch()[0])] == stream[:200]  # any batch size
-    other = ShardedLoader(
-        [a, b],
-        block_size=BLOCK_SIZE,
-        micro_batch_size=64,
-        grad_accum=1,
-        rank=0,
-        world_size=1,
-        seed=4,
-        weights=[3, 1],
-    )
+    other = loaders([a, b], world=1, micro=64, accum=1, seed=4, weights=[3, 1])[0]
     assert sample_ids(other.next_batch()[0]) != stream[:64]
     with pytest.raises(DataError, match="blend weights"):
-        ShardedLoader(
-            [a, b],
-            block_size=BLOCK_SIZE,
-            micro_batch_size=64,
-            grad_accum=1,
-            rank=0,
-            world_size=1,
-            seed=3,
-            weights=[1, 1],
-        ).load_state_dict(loader.state_dict())
+        loaders([a, b], world=1, micro=64, accum=1, seed=3, weights=[1, 1])[0].load_state_dict(
+            loader.state_dict()
+        )
 
 
 def test_prefetch_gives_the_same_batches_and_state(tmp_path: Path) -> None:

@@ -266,31 +266,18 @@ def test_token_ids_beyond_the_vocabulary_are_a_data_error(tmp_path):
     w.write(np.arange(200, dtype=np.uint16) % 70, [200])  # ids up to 69, "vocab" 65
     w.close()
     paths = sorted(tmp_path.glob("*.bin"))
-    loader = ShardedLoader(
-        paths,
-        block_size=16,
-        micro_batch_size=2,
-        grad_accum=1,
-        rank=0,
-        world_size=1,
-        seed=0,
-        verify=False,
-        vocab_size=65,
-    )
+
+    def unverified(vocab_size: int) -> ShardedLoader:
+        return ShardedLoader(
+            paths, block_size=16, micro_batch_size=2, grad_accum=1, rank=0, world_size=1, seed=0,
+            verify=False, vocab_size=vocab_size,
+        )  # fmt: skip
+
+    loader = unverified(65)
     with pytest.raises(DataError, match="at or beyond the vocabulary"):
         for _ in range(20):
             loader.next_batch()
-    ok = ShardedLoader(
-        paths,
-        block_size=16,
-        micro_batch_size=2,
-        grad_accum=1,
-        rank=0,
-        world_size=1,
-        seed=0,
-        verify=False,
-        vocab_size=70,
-    )
+    ok = unverified(70)
     for _ in range(20):
         ok.next_batch()
 
