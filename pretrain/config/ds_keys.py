@@ -35,6 +35,8 @@ MODELED_DEEPSPEED_KEYS = {
     "csv_monitor",
     "wandb",
     "compile",  # DeepSpeed's DeepCompile switches: the tree's `compile` section (ds_read reads them)
+    "tensor_parallel",  # AutoTP: the tree's parallel.tensor, and the partition of this GPT's layers
+    "pipeline",  # the pipeline engine's section: parallel.pipeline and its partitioning
 }
 
 # Every other top-level key DeepSpeed's config parser reads (deepspeed/runtime/config.py and the
@@ -64,7 +66,6 @@ DEEPSPEED_PASSTHROUGH_KEYS = {
     "data_types",
     "elasticity",
     "autotuning",
-    "pipeline",
     "progressive_layer_drop",
     "curriculum_learning",
     "data_efficiency",
@@ -77,7 +78,6 @@ DEEPSPEED_PASSTHROUGH_KEYS = {
     "timers",
     "weight_quantization",
     "hybrid_engine",
-    "tensor_parallel",
     "use_node_local_storage",
 }
 
@@ -110,8 +110,19 @@ FP16_KEYS = {
 }
 
 # Modeled sections whose other knobs may pass through in `deepspeed_extra`: section -> modeled keys.
+# tensor_parallel keys the `parallel` section models (partition_config is rendered from the model).
+TENSOR_PARALLEL_KEYS = {"autotp_size": "tensor"}
+# pipeline keys the `parallel` section models: DeepSpeed's name -> field.
+PIPELINE_KEYS = {
+    "stages": "pipeline",
+    "partition": "partition_method",
+    "activation_checkpoint_interval": "activation_checkpoint_interval",
+}
+
 PARTLY_MODELED = {
     "zero_optimization": set(ZERO_KEYS),
+    "tensor_parallel": set(TENSOR_PARALLEL_KEYS) | {"partition_config"},
+    "pipeline": set(PIPELINE_KEYS),
     "fp16": set(FP16_KEYS) | {"loss_scale"},
     "bf16": {"enabled"},
 }

@@ -30,7 +30,9 @@ from pretrain.config.ds_keys import (
     FP16_KEYS,
     MODELED_DEEPSPEED_KEYS,
     MONITORS,
+    PIPELINE_KEYS,
     RECORD,
+    TENSOR_PARALLEL_KEYS,
     ZERO_AUTO,
     ZERO_KEYS,
 )
@@ -723,6 +725,10 @@ def _read_key(r: Reading, key: str, value: Any) -> None:
         _read_monitor(r, key, value)
     elif key == "compile":
         _read_compile(r, value)
+    elif key == "tensor_parallel":
+        _read_tensor_parallel(r, value)
+    elif key == "pipeline":
+        _read_pipeline(r, value)
     elif key in DEEPSPEED_PASSTHROUGH_KEYS:
         r.extra[key] = without_auto(value)
     else:
@@ -806,12 +812,13 @@ def _read_batch(r: Reading, ds: dict[str, Any], world_size: int | None) -> None:
         known, name = micro, "train_micro_batch_size_per_gpu"
     else:
         known, name = acc or 1, "gradient_accumulation_steps"
-    if not is_whole(known) or tbs % (known * world_size):
-        r.problems.append(
-            f"train_batch_size ({tbs}) is not a multiple of {name} ({known}) x the world size ({world_size})"
-        )
+    mp = r.current("parallel", "tensor") * r.current("parallel", "pipeline")
+    dp = world_size // mp if is_whole(mp) and mp >= 1 and world_size % mp == 0 else world_size
+    ranks = "the world size" if dp == world_size else "the data-parallel size"
+    if not is_whole(known) or tbs % (known * dp):
+        r.problems.append(f"train_batch_size ({tbs}) is not a multiple of {name} ({known}) x {ranks} ({dp})")
         return
-    derived = tbs // (known * world_size)
+    derived = tbs // (known * dp)
     b.update(
         {"micro_batch_size": known, "gradient_accumulation_steps": derived}
         if micro is not None
@@ -901,6 +908,37 @@ def _read_compile(r: Reading, value: Any) -> None:
             f"compile.{k}: DeepSpeed's DeepCompile is not modeled: pretrain compiles the model with "
             "torch.compile; drop the key and pass --set compile.enabled=true"
         )
+
+
+def _read_tensor_parallel(r: Reading, value: Any) -> None:
+    """AutoTP's degree into parallel.tensor. The partition of the layers is the model's own (rendered
+    from the model, see ds_render.autotp_layer_specs), so a JSON's partition_config is read only to be
+    replaced; DeepSpeed's other AutoTP knobs pass through."""
+    for k, v in r.mapping("tensor_parallel", value).items():
+        if k in TENSOR_PARALLEL_KEYS:
+            if v == 0:  # DeepSpeed's "off"
+                v = 1
+            r.put(f"tensor_parallel.{k}", "parallel", TENSOR_PARALLEL_KEYS[k], v)
+        elif k == "partition_config":
+            r.notes.append(
+                "tensor_parallel.partition_config: replaced by the partition of this GPT's layers "
+                "(pretrain render shows it)"
+            )
+        elif v != AUTO:
+            r.extra.setdefault("tensor_parallel", {})[k] = v
+
+
+def _read_pipeline(r: Reading, value: Any) -> None:
+    """The pipeline section into `parallel`: stages, partition method, activation checkpointing.
+    DeepSpeed's defaults ("stages": "auto", "partition": "best") keep the tree's values."""
+    for k, v in r.mapping("pipeline", value).items():
+        where = f"pipeline.{k}"
+        if k == "partition" and v == "best":
+            continue  # DeepSpeed's default, which its PipelineModule does not implement
+        if k in PIPELINE_KEYS:
+            r.put(where, "parallel", PIPELINE_KEYS[k], v)
+        elif v != AUTO:
+            r.extra.setdefault("pipeline", {})[k] = v
 
 
 def _read_offload(r: Reading, key: str, value: Any) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from pretrain.config.ds_keys import AUTO, MONITOR_DIRS, RECORD, ZERO_AUTO, auto_paths
-from pretrain.config.tree import RunConfig, deep_merge
+from pretrain.config.tree import ModelConfig, RunConfig, deep_merge
 from pretrain.errors import ConfigError
 
 
@@ -65,6 +65,7 @@ def render_deepspeed(cfg: RunConfig) -> dict[str, Any]:
         "steps_per_print": 1_000_000_000,
         "wall_clock_breakdown": False,
         **render_monitors(cfg),
+        **render_parallel(cfg),
     }
     out = deep_merge(out, cfg.deepspeed_extra)
     for key, size in ZERO_AUTO.items():  # "auto" in unmodeled ZeRO knobs: sized from the model width
@@ -74,6 +75,51 @@ def render_deepspeed(cfg: RunConfig) -> dict[str, Any]:
     if left:
         raise ConfigError([f"{p}: 'auto' has nothing in the tree to resolve from" for p in left], "render")
     return out
+
+
+def render_parallel(cfg: RunConfig) -> dict[str, Any]:
+    """DeepSpeed's `tensor_parallel` (AutoTP) and `pipeline` sections, where the layout has them."""
+    par, out = cfg.parallel, {}
+    if par.tensor > 1:
+        out["tensor_parallel"] = {
+            "autotp_size": par.tensor,
+            "partition_config": {"use_default_specs": False, "layer_specs": autotp_layer_specs(cfg.model)},
+        }
+    if par.pipeline > 1:
+        out["pipeline"] = {
+            "stages": par.pipeline,
+            "partition": par.partition_method,
+            "activation_checkpoint_interval": pipeline_checkpoint_interval(cfg),
+        }
+    return out
+
+
+def autotp_layer_specs(m: ModelConfig) -> list[dict[str, Any]]:
+    """How AutoTP splits this GPT's layers (Megatron's layout): the fused q/k/v projection and the
+    MLP's input projection by output rows (column-parallel), each sub-matrix (q, k, v; SwiGLU's gate,
+    up) split on its own so a rank holds whole heads of each; the two output projections by input
+    columns (row-parallel, all-reduced). Embeddings, norms and the head stay whole on every rank."""
+    q, kv = m.n_embd, m.kv_heads * m.head_size
+    fc: dict[str, Any] = {"patterns": [r".*\.mlp\.c_fc\.weight$"], "partition_type": "column"}
+    if m.arch == "llama":
+        fc |= {"shape": [2, -1], "partition_dim": 0}  # [gate; up]
+    return [
+        {
+            "patterns": [r".*\.attn\.c_attn\.weight$"],
+            "partition_type": "column",
+            "shape": [[q, kv, kv], -1],
+            "partition_dim": 0,
+        },
+        {"patterns": [r".*\.attn\.c_proj\.weight$"], "partition_type": "row"},
+        fc,
+        {"patterns": [r".*\.mlp\.c_proj\.weight$"], "partition_type": "row"},
+    ]
+
+
+def pipeline_checkpoint_interval(cfg: RunConfig) -> int:
+    """Layers between activation checkpoints in a pipeline stage (0: none)."""
+    given = cfg.parallel.activation_checkpoint_interval
+    return given if given is not None else int(cfg.model.activation_checkpointing)
 
 
 def render_monitors(cfg: RunConfig) -> dict[str, Any]:

@@ -391,6 +391,54 @@ class ScheduleConfig(Section):
         return []
 
 
+def data_parallel_of(context: dict[str, Any]) -> int | None:
+    """The data-parallel size a world of ranks leaves: world / (tensor x pipeline), the one place it
+    is derived (None: no world size, or one the model-parallel size does not divide)."""
+    world, mp = context.get("world_size"), context.get("model_parallel", 1)
+    return None if world is None or world % mp else world // mp
+
+
+class ParallelConfig(Section):
+    """Model parallelism through DeepSpeed. A world of ranks is tensor x pipeline x data-parallel:
+    a block's heads and MLP width split over `tensor` ranks (DeepSpeed AutoTP), the layers split
+    into `pipeline` stages (deepspeed.pipe), each stage's tensor group replicated over the
+    data-parallel ranks that remain, with ZeRO over those. The pipeline's micro-batches per step
+    are batch.gradient_accumulation_steps, as DeepSpeed names them."""
+
+    tensor: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Tensor-parallel degree (DeepSpeed's tensor_parallel.autotp_size): each block's attention "
+        "heads and MLP width split across this many ranks. Keep it within a node (its all-reduces run "
+        "twice per block, forward and backward).",
+    )
+    pipeline: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Pipeline stages (DeepSpeed's pipeline engine): the layers split into this many stages, "
+        "e.g. one per node. Micro-batches per step: batch.gradient_accumulation_steps.",
+    )
+    partition_method: Literal["parameters", "uniform"] = Field(
+        "parameters",
+        description="How the layers are balanced over the stages (PipelineModule's partition_method): "
+        "'parameters' evens out the parameter counts (the embeddings weigh on the first and last stage), "
+        "'uniform' the layer counts.",
+    )
+    activation_checkpoint_interval: int | None = Field(
+        None,
+        ge=0,
+        description="Pipeline: recompute the activations of every this many layers in backward "
+        "(PipelineModule's activation_checkpoint_interval; 0: none). None: 1 with "
+        "model.activation_checkpointing, else 0.",
+    )
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tensor * self.pipeline
+
+
 class BatchConfig(Section):
     """`train_batch_size = micro_batch_size x gradient_accumulation_steps x data_parallel_size`,
     derived here and nowhere else. The world size is the validation's `context`: without one (a
@@ -403,7 +451,7 @@ class BatchConfig(Section):
         None,
         ge=1,
         validate_default=True,
-        description="Data-parallel ranks. None takes the launch's world size.",
+        description="Data-parallel ranks. None: the launch's world size / (parallel.tensor x parallel.pipeline).",
     )
     train_batch_size: int | None = Field(
         None,
@@ -415,8 +463,9 @@ class BatchConfig(Section):
     @field_validator("data_parallel_size")
     @classmethod
     def _from_world(cls, dp: int | None, info: ValidationInfo) -> int | None:
-        """None: the world size, where it is known (a given one that differs is a broken rule)."""
-        return (info.context or {}).get("world_size") if dp is None else dp
+        """None: world size / model-parallel size (tensor x pipeline), where the world size is known
+        and that divides it (a given one that differs, or a world it does not divide, is a broken rule)."""
+        return data_parallel_of(info.context or {}) if dp is None else dp
 
     @field_validator("train_batch_size")
     @classmethod
@@ -429,10 +478,10 @@ class BatchConfig(Section):
         return int(micro * acc * dp)
 
     def broken_rules(self, context: dict[str, Any]) -> list[str]:
-        world, dp = context.get("world_size"), self.data_parallel_size
+        world, dp, mp = context.get("world_size"), self.data_parallel_size, context.get("model_parallel", 1)
         problems = []
-        if world is not None and dp is not None and dp != world:  # None took the world size
-            problems.append(self._world_mismatch(dp, world))
+        if world is not None and dp is not None and dp * mp != world:  # None took world / mp
+            problems.append(self._world_mismatch(dp, world, mp))
         if dp is not None:
             derived = self.micro_batch_size * self.gradient_accumulation_steps * dp
             if self.train_batch_size != derived:
@@ -450,14 +499,25 @@ class BatchConfig(Section):
             raise ConfigError(["batch.data_parallel_size is unresolved: pass a world size"], "batch")
         return self.train_batch_size
 
-    def _world_mismatch(self, dp: int, world: int) -> str:
+    def _world_mismatch(self, dp: int, world: int, mp: int) -> str:
         # No "; " in the message: `validate` splits a section's problems there.
-        fix = f"pass --set batch.data_parallel_size={world}"
+        if world % mp:
+            return (
+                f"data_parallel_size ({dp}) x tensor x pipeline ({mp}) cannot make the world size ({world}): "
+                f"a world of {world} ranks is not a multiple of {mp}"
+            )
+        want = world // mp
+        fix = f"pass --set batch.data_parallel_size={want}"
         acc = self.gradient_accumulation_steps * dp
-        if acc % world == 0:
+        if acc % want == 0:
             batch = self.micro_batch_size * acc
-            fix += f" (with --set batch.gradient_accumulation_steps={acc // world} to keep {batch} sequences per step)"
-        return f"data_parallel_size ({dp}) does not match the world size ({world}): {fix}"
+            fix += f" (with --set batch.gradient_accumulation_steps={acc // want} to keep {batch} sequences per step)"
+        of = (
+            f"the world size ({world})"
+            if mp == 1
+            else f"world size / (tensor x pipeline) ({world} / {mp} = {want})"
+        )
+        return f"data_parallel_size ({dp}) does not match {of}: {fix}"
 
 
 class PrecisionConfig(Section):
@@ -701,6 +761,10 @@ class RunConfig(Section):
     batch: BatchConfig = Field(default_factory=BatchConfig, description="Micro batch x accumulation x DP.")
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig, description="fp32, bf16 or fp16.")
     zero: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage and offload.")
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig,
+        description="Tensor and pipeline parallelism (with ZeRO over the rest).",
+    )
     compile: CompileConfig = Field(default_factory=CompileConfig, description="torch.compile of the model.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logs, eval and sampling.")
@@ -718,7 +782,8 @@ class RunConfig(Section):
     )
 
     def broken_rules(self, context: dict[str, Any]) -> list[str]:
-        problems = [f"deepspeed_extra: {p}" for p in unknown_deepspeed_keys(self.deepspeed_extra)]
+        problems = parallel_problems(self, context.get("world_size"))
+        problems += [f"deepspeed_extra: {p}" for p in unknown_deepspeed_keys(self.deepspeed_extra)]
         for key in sorted(MODELED_DEEPSPEED_KEYS & set(self.deepspeed_extra)):
             sub = self.deepspeed_extra[key]
             if key in PARTLY_MODELED and isinstance(sub, dict) and not set(sub) & PARTLY_MODELED[key]:
@@ -733,6 +798,53 @@ class RunConfig(Section):
 
     def run_dir(self) -> Path:
         return Path(self.logging.run_dir.format(preset=self.preset))
+
+
+def parallel_problems(cfg: RunConfig, world: int | None) -> list[str]:
+    """Every layout of `parallel` that cannot run, with the model, the world size and ZeRO."""
+    par, m, z = cfg.parallel, cfg.model, cfg.zero
+    tp, pp = par.tensor, par.pipeline
+    problems = []
+    if tp > 1:
+        sizes = [("n_head", m.n_head), ("n_kv_head", m.kv_heads), ("the MLP width", m.ffn_hidden)]
+        for what, n in sizes if m.kv_heads != m.n_head else sizes[::2]:
+            if n % tp:
+                problems.append(
+                    f"parallel.tensor ({tp}) must divide model.{what} ({n}): each rank computes {what} / tensor"
+                    if what != "the MLP width"
+                    else f"parallel.tensor ({tp}) must divide the MLP width ({n}, model.intermediate_size)"
+                )
+        if z.stage == 3:
+            problems.append(
+                "parallel.tensor > 1 with zero.stage 3: not supported here (the model is built under zero.Init "
+                "before AutoTP shards it): use zero.stage 1 or 2"
+            )
+    if pp > 1:
+        if m.n_layer < pp:
+            problems.append(
+                f"parallel.pipeline ({pp}) exceeds model.n_layer ({m.n_layer}): each stage needs a block"
+            )
+        if z.stage >= 2:
+            problems.append(
+                f"parallel.pipeline > 1 with zero.stage {z.stage}: DeepSpeed's pipeline engine combines with ZeRO "
+                "stage 0 or 1 only (it accumulates each stage's gradients over the micro-batches itself, which "
+                "ZeRO-2's gradient and ZeRO-3's parameter partitioning would take over): use zero.stage=1"
+            )
+        if z.offload_optimizer:
+            problems.append(
+                "parallel.pipeline > 1 with zero.offload_optimizer: not supported here (pipeline stages "
+                "already divide the optimizer state): use zero.stage=1 without offload"
+            )
+        if cfg.compile.enabled:
+            problems.append(
+                "parallel.pipeline > 1 with compile.enabled: a pipeline stage is not compiled here"
+            )
+    if world is not None and world % par.model_parallel:
+        problems.append(
+            f"parallel: tensor ({tp}) x pipeline ({pp}) = {par.model_parallel} does not divide the world "
+            f"size ({world}): launch a multiple of {par.model_parallel} ranks"
+        )
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------
@@ -860,7 +972,7 @@ def validate(data: dict[str, Any], world_size: int | None = None, source: str = 
     # Sections left out are validated from {} too, so that their rules see the world size.
     data = {**{k: {} for k, f in RunConfig.model_fields.items() if _is_section(f.annotation)}, **data}
     try:
-        return RunConfig.model_validate(data, context={"world_size": world_size})
+        return RunConfig.model_validate(data, context={"world_size": world_size, **_parallel_context(data)})
     except ValidationError as e:
         problems = []
         for err in e.errors():
@@ -874,6 +986,15 @@ def validate(data: dict[str, Any], world_size: int | None = None, source: str = 
             for part in msg.split("; ") if err["type"] == "value_error" else [msg]:
                 problems.append(f"{where}: {part}" if where else part)
         raise ConfigError(problems, source) from None
+
+
+def _parallel_context(data: dict[str, Any]) -> dict[str, int]:
+    """The model-parallel size (tensor x pipeline) read ahead of validation, so the batch section can
+    derive its data-parallel size from it; bad values are the parallel section's to report."""
+    par = data.get("parallel")
+    sizes = [par.get(k, 1) for k in ("tensor", "pipeline")] if isinstance(par, dict) else [1, 1]
+    ok = all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)
+    return {"model_parallel": sizes[0] * sizes[1] if ok else 1}
 
 
 def _is_section(annotation: Any) -> bool:

@@ -67,12 +67,16 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
-        B, T, C = x.size()  # batch, sequence length, n_embd
-        kv = self.n_kv_head * self.hs
-        q, k, v = self.c_attn(x).split([C, kv, kv], dim=2)
-        q = q.view(B, T, self.n_head, self.hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_kv_head, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
-        v = v.view(B, T, self.n_kv_head, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
+        B, T, _ = x.size()  # batch, sequence length, n_embd
+        qkv = self.c_attn(x)  # (B, T, (nh + 2 nkv) hs)
+        # Under tensor parallelism c_attn holds only this rank's share of the heads (q, k and v
+        # split alike): the head counts here are read off its output width, not the config.
+        tp = (self.n_head + 2 * self.n_kv_head) * self.hs // qkv.size(-1)
+        nh, nkv = self.n_head // tp, self.n_kv_head // tp
+        q, k, v = qkv.split([nh * self.hs, nkv * self.hs, nkv * self.hs], dim=2)
+        q = q.view(B, T, nh, self.hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, nkv, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, nkv, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
         if rope is not None:
             # Positions enter only here: rotating q and k makes q·k depend on their distance.
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -82,9 +86,9 @@ class CausalSelfAttention(nn.Module):
             v,
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=True,
-            enable_gqa=self.n_kv_head != self.n_head,  # each k/v head serves n_head/n_kv_head queries
+            enable_gqa=nkv != nh,  # each k/v head serves n_head/n_kv_head queries
         )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
+        y = y.transpose(1, 2).contiguous().view(B, T, nh * self.hs)  # the heads' outputs side by side
         return self.resid_dropout(self.c_proj(y))
 
 
