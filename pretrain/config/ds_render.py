@@ -158,9 +158,11 @@ def check_with_deepspeed(ds: dict[str, Any]) -> None:
     from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 
     ds = json.loads(json.dumps(ds))
-    if not (tdist.is_available() and tdist.is_initialized()):
-        # Without a process group DeepSpeed assumes world size 1 for its batch check; the tree
-        # has already checked train_batch_size against the world size, so let DeepSpeed derive it.
+    model_parallel = ds.get("tensor_parallel", {}).get("autotp_size", 1) > 1 or "pipeline" in ds
+    if model_parallel or not (tdist.is_available() and tdist.is_initialized()):
+        # Without a process group DeepSpeed assumes world size 1 for its batch check, and without
+        # the engine's groups it counts every rank as data-parallel; the tree has already checked
+        # train_batch_size against the data-parallel size, so let DeepSpeed derive it.
         ds.pop("train_batch_size", None)
     try:
         DeepSpeedConfig(ds)

@@ -15,7 +15,7 @@ import torch
 from pretrain.cluster.launch import launcher
 from pretrain.config.tree import RunConfig
 from pretrain.errors import ConfigError, require
-from pretrain.training.model import GPT
+from pretrain.training.model import GPT, init_seed, param_groups
 
 
 @dataclass(frozen=True)
@@ -176,31 +176,70 @@ def device() -> torch.device:
     return torch.device(get_accelerator().current_device_name())
 
 
-def build_model(cfg: RunConfig, ds_config: dict[str, Any]) -> GPT:
+def build_model(cfg: RunConfig, ds_config: dict[str, Any]) -> Any:
+    """The GPT, or with parallel.pipeline > 1 this rank's pipeline stage of it (pipeline.py)."""
+    if cfg.parallel.pipeline > 1:
+        from pretrain.training.pipeline import build_pipeline
+
+        with torch.device(device()):
+            return build_pipeline(cfg)
+    return build_gpt(cfg, ds_config)
+
+
+def build_gpt(cfg: RunConfig, ds_config: dict[str, Any]) -> GPT:
     """Construct the GPT; at ZeRO-3 partitioned from the start, so no rank ever holds it whole.
 
-    Weights are (re)initialised module by module from `cfg.seed` after construction, so every
-    ZeRO stage starts from the same weights: under zero.Init each submodule is partitioned as
-    soon as its constructor returns, before GPT's own init pass could see it.
+    Weights are (re)initialised module by module after construction, each from a seed of
+    `cfg.seed` and its name (model.init_seed), so every ZeRO stage and every layout starts from the
+    same weights: under zero.Init each submodule is partitioned as soon as its constructor returns,
+    before GPT's own init pass could see it.
     """
     import deepspeed  # after init_distributed, see there
 
     zero3 = cfg.zero.stage == 3 and cfg.zero.init_on_construct
-    if zero3:
-        with deepspeed.zero.Init(config_dict_or_path=ds_config):
-            model = GPT(cfg.model)
-    else:
+    if not zero3:
         with torch.device(device()):
             model = GPT(cfg.model)
-    torch.manual_seed(cfg.seed)
-    for module in model.modules():
+        model.reset_parameters(cfg.seed)
+        return model
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = GPT(cfg.model)
+    for name, module in model.named_modules():
         params = list(module.parameters(recurse=False))
-        if zero3:
+        if params:
             with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                torch.manual_seed(init_seed(cfg.seed, name))
                 model.init_weights(module)
-        elif params:
-            model.init_weights(module)
     return model
+
+
+def tensor_parallel_groups(cfg: RunConfig) -> Any:
+    """DeepSpeed's data x tensor mesh of AutoTP (tensor-parallel peers neighbours), built before
+    `deepspeed.initialize` and passed as its `mpu`: the engine builds the same mesh itself, but
+    DeepSpeed's config would count every rank as data-parallel in its batch check without it."""
+    from deepspeed.utils import groups
+
+    groups._init_tp_mesh_device(tensor_model_parallel_size=cfg.parallel.tensor)
+    return groups
+
+
+def data_parallel_rank(cfg: RunConfig, dist: Dist, engine: Any) -> int:
+    """This rank's place in its data-parallel group: ranks are laid out pipeline-major, then data,
+    then tensor (DeepSpeed's PipeModelDataParallelTopology, and AutoTP's data x tensor mesh), so the
+    tensor-parallel peers are neighbours, on one node."""
+    par, dp = cfg.parallel, cfg.batch.data_parallel_size
+    assert dp is not None
+    rank = (dist.rank // par.tensor) % dp
+    if par.pipeline > 1:
+        ours = engine.grid.get_data_parallel_rank()
+    else:
+        ours = engine.mpu.get_data_parallel_rank() if par.tensor > 1 else dist.rank
+    if ours != rank or engine.dp_world_size != dp:
+        raise RuntimeError(
+            f"rank {dist.rank}: DeepSpeed's data-parallel rank {ours} of {engine.dp_world_size} is not "
+            f"the layout's {rank} of {dp} (tensor {par.tensor} x pipeline {par.pipeline})"
+        )
+    return rank
 
 
 def check_precision(cfg: RunConfig) -> None:
@@ -219,17 +258,30 @@ def check_precision(cfg: RunConfig) -> None:
             )
 
 
-def initialize(cfg: RunConfig, model: GPT, ds_config: dict[str, Any]) -> Any:
-    """Wrap the model in the DeepSpeed engine, with AdamW over decay / no-decay groups."""
+def initialize(cfg: RunConfig, model: Any, ds_config: dict[str, Any]) -> Any:
+    """Wrap the model in the DeepSpeed engine, with AdamW over decay / no-decay groups: the GPT in
+    DeepSpeed's engine (AutoTP sharding it with parallel.tensor > 1), a pipeline stage in its
+    pipeline engine (already sharded, see pipeline.py)."""
     import deepspeed  # after init_distributed, see there
 
     check_precision(cfg)
+    pipelined = cfg.parallel.pipeline > 1
+    if pipelined:
+        # The pipeline engine takes its groups from the stage's topology; AutoTP's config path
+        # would build a data x tensor mesh of its own over them.
+        ds_config = {k: v for k, v in ds_config.items() if k != "tensor_parallel"}
+        decayed = getattr(model, "decayed_names", None)
+    else:
+        decayed = None  # DeepSpeed carries the groups through AutoTP's swap of the layers
     engine, _, _, _ = deepspeed.initialize(
         model=model,
-        model_parameters=model.param_groups(cfg.optimizer.weight_decay),
+        model_parameters=param_groups(model, cfg.optimizer.weight_decay, decayed),
         config=ds_config,
+        mpu=tensor_parallel_groups(cfg) if cfg.parallel.tensor > 1 and not pipelined else None,
     )
-    if cfg.zero.stage == 0 and engine.dp_world_size == 1:
+    if pipelined:
+        return engine
+    if cfg.zero.stage == 0 and engine.dp_world_size == 1 and cfg.parallel.tensor == 1:
         # One data-parallel rank: DeepSpeed would still flatten every gradient into a bucket,
         # all-reduce it over the single rank and copy it back, each micro step. Nothing to reduce.
         engine.enable_backward_allreduce = False
@@ -263,4 +315,5 @@ def clips_itself(cfg: RunConfig) -> bool:
     (a host round trip each step) and scale each gradient. `torch.nn.utils.clip_grad_norm_` does the
     same arithmetic in one foreach pass and hands back the norm for the logs. The rendered JSON keeps
     `gradient_clipping`; only this engine's copy is turned off."""
-    return cfg.zero.stage == 0 and cfg.precision.name == "fp32" and cfg.optimizer.grad_clip > 0
+    single = cfg.parallel.model_parallel == 1  # a sharded parameter's norm needs its peers' shards
+    return single and cfg.zero.stage == 0 and cfg.precision.name == "fp32" and cfg.optimizer.grad_clip > 0

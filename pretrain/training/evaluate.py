@@ -12,15 +12,22 @@ from pretrain.data.loader import ShardedLoader
 
 
 @torch.no_grad()
-def evaluate(engine: Any, val: ShardedLoader, n_batches: int) -> tuple[float, float]:
-    """Mean validation loss over the same `n_batches` micro batches per rank each time, and its perplexity."""
+def evaluate(engine: Any, val: ShardedLoader, n_batches: int, pipelined: bool = False) -> tuple[float, float]:
+    """Mean validation loss over the same `n_batches` micro batches per rank each time, and its
+    perplexity. A pipeline evaluates them as one batch of `n_batches` micro-batches (`eval_batch`
+    gives every stage the mean over them and over the data-parallel group)."""
     engine.eval()
     dev = engine.device
     total = torch.zeros(2, dtype=torch.float64, device=dev)
-    for x, y in val.iter_eval(n_batches):
-        _, loss = engine(x.to(dev), y.to(dev))
-        total[0] += loss.double()
+    if pipelined:
+        batches = list(val.iter_eval(n_batches))
+        total[0] += engine.eval_batch(iter(batches), num_micro_batches=len(batches)).double().reshape(())
         total[1] += 1
+    else:
+        for x, y in val.iter_eval(n_batches):
+            _, loss = engine(x.to(dev), y.to(dev))
+            total[0] += loss.double()
+            total[1] += 1
     engine.train()
     tdist.all_reduce(total)  # sum over ranks; one host sync per evaluation
     mean = (total[0] / total[1]).item()

@@ -17,7 +17,7 @@ import torch
 
 from pretrain.cluster.hardware import cpu_native_bf16, device_peak_tflops
 from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
-from pretrain.config.tree import RunConfig, analytic_num_params
+from pretrain.config.tree import RunConfig, analytic_flops_per_token, analytic_num_params
 from pretrain.data.dataset import TOKENIZER_FILE, Dataset, open_datasets, resolve_vocab
 from pretrain.data.loader import ShardedLoader
 from pretrain.data.tokenizer import Tokenizer, load_tokenizer
@@ -72,6 +72,10 @@ class Run:
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.batch.sequences * self.cfg.model.block_size
+
+    @property
+    def pipelined(self) -> bool:
+        return self.cfg.parallel.pipeline > 1
 
 
 @dataclass
@@ -143,7 +147,8 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
                 _skip_batch(run, step, batch_start)
                 continue
             # 2. micro-steps; DeepSpeed reduces gradients and steps the optimizer on the last one
-            step_loss, grad_norm, verdict = train_step(
+            one_step = pipeline_step if run.pipelined else train_step
+            step_loss, grad_norm, verdict = one_step(
                 run, timer, faults, batch_start=batch_start, want_grad_norm=log_due, signum=sentinel.signum
             )
             # 2b. all ranks agree on a non-finite loss anywhere and on a stop signal: one host read of the
@@ -215,13 +220,39 @@ def train_step(
                 # Stage 0 in fp32: one foreach pass clips the (already reduced) gradients and gives
                 # the norm, with no all_reduce of a norm every rank already has (DeepSpeed's way).
                 grad_norm = torch.nn.utils.clip_grad_norm_(run.params, cfg.optimizer.grad_clip, foreach=True)
-            elif want_grad_norm and cfg.zero.stage == 0:
+            elif want_grad_norm and cfg.zero.stage == 0 and cfg.parallel.tensor == 1:
                 grad_norm = _grad_norm(engine.module)  # DeepSpeed does not report it at stage 0
         timer.phase("optimizer")
         engine.step()
     timer.stop()
     assert verdict is not None
     return step_loss, grad_norm, verdict
+
+
+def pipeline_step(
+    run: Run,
+    timer: PhaseTimer,
+    faults: Faults,
+    *,
+    batch_start: int,
+    want_grad_norm: bool,
+    signum: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, Agreement]:
+    """One optimizer step through DeepSpeed's pipeline engine, which runs the micro-batches itself
+    (`train_batch`: its 1F1B schedule over the stages, the reductions, the optimizer step). Returns
+    what `train_step` does; the agreement starts after the step, whose loss only the engine knows."""
+    engine, micro_steps = run.engine, run.cfg.batch.gradient_accumulation_steps
+    timer.phase("data")
+    # Every stage reads the step's micro-batches (the first uses the inputs, the last the labels), so
+    # that every rank's loader stands at the same position, the one a checkpoint records.
+    batches = [run.train_data.next_batch() for _ in range(micro_steps)]
+    engine.module.loss_fn.poison = faults.nan(batch_start, run.dist.rank)  # test hook
+    timer.phase("fwd_bwd")
+    mean_loss = engine.train_batch(iter(batches))  # the mean over the micro-batches, on every stage
+    step_loss = mean_loss.detach().float().reshape(()) * micro_steps
+    verdict = start_agreement(step_loss, signum, run.ctrl)
+    timer.stop()
+    return step_loss, engine.get_global_grad_norm() if want_grad_norm else None, verdict
 
 
 def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
@@ -285,6 +316,10 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
     # between ranks, or every rank would drop the same units. A resume restores these generators.
     torch.manual_seed(cfg.seed + 1 + dist.rank)
     b = cfg.batch
+    dp_size = dist.world_size // cfg.parallel.model_parallel  # = batch.data_parallel_size
+    # The ranks of one tensor-parallel group, and of one pipeline, read the same batches: the
+    # data-parallel group's, which is DeepSpeed's (checked against the engine's groups).
+    dp_rank = ds_engine.data_parallel_rank(cfg, dist, engine)
 
     def loader(split: str, grad_accum: int, shuffle: bool) -> ShardedLoader:
         return ShardedLoader(
@@ -295,8 +330,8 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
             block_size=cfg.model.block_size,
             micro_batch_size=b.micro_batch_size,
             grad_accum=grad_accum,
-            rank=dist.rank,
-            world_size=dist.world_size,
+            rank=dp_rank,
+            world_size=dp_size,
             seed=cfg.data.seed,
             shuffle=shuffle,
             verify=cfg.data.verify_shards and dist.local_rank == 0,  # one full read per host, not per rank
@@ -325,13 +360,19 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
 
 def _banner(run: Run) -> str:
     cfg, b, world = run.cfg, run.cfg.batch, run.dist.world_size
+    par = cfg.parallel
+    layout = (
+        f"tensor {par.tensor} x pipeline {par.pipeline} x data {b.data_parallel_size} = "
+        if par.model_parallel > 1
+        else ""
+    )
     n_train = sum(d.n_tokens("train") for d in run.datasets)
     n_val = sum(d.n_tokens("val") for d in run.datasets)
     return (
         f"{cfg.preset}: {analytic_num_params(cfg.model) / 1e6:.2f}M params, {cfg.model.n_layer} layers, "
         f"{cfg.precision.name}, ZeRO-{cfg.zero.stage}{' + offload' if cfg.zero.offload_optimizer else ''}, "
-        f"world size {world}\n"
-        f"batch {b.micro_batch_size} x {b.gradient_accumulation_steps} x {world} = "
+        f"{layout}world size {world}\n"
+        f"batch {b.micro_batch_size} x {b.gradient_accumulation_steps} x {b.data_parallel_size} = "
         f"{b.sequences} sequences = {run.tokens_per_step:,} tokens/step, "
         f"{cfg.schedule.max_steps} steps\n"
         f"data {run.datasets[0].dir}: {n_train:,} train / {n_val:,} val tokens, vocab {run.tokenizer.vocab_size}\n"
@@ -400,7 +441,9 @@ def _log_first_step(dist: Dist) -> None:
 def _evaluate(run: Run, log: MetricsLog, sentinel: Sentinel, *, step: int) -> float:
     """Evaluate after `step` and log the val loss and perplexity; returns the val loss."""
     sentinel.expect("the evaluation", step)
-    val_loss, val_ppl = evaluate(run.engine, run.val_data, run.cfg.logging.eval_batches)
+    val_loss, val_ppl = evaluate(
+        run.engine, run.val_data, run.cfg.logging.eval_batches, pipelined=run.pipelined
+    )
     log.log(step, samples=int(run.engine.global_samples), val_loss=val_loss, val_ppl=val_ppl)
     return val_loss
 
@@ -449,6 +492,10 @@ def _finish(
     text = None
     if stopped_by:
         dist.log(f"stopped by {stopped_by} at step {progress.step}; resume with --resume auto")
+    elif cfg.sample_tokens > 0 and run.pipelined:
+        dist.log(
+            "no final sample from a pipeline (each stage holds part of the model): pretrain sample RUN_DIR"
+        )
     elif cfg.sample_tokens > 0:
         text = sample(
             run.engine, run.tokenizer, cfg.sample_prompt, max_new_tokens=cfg.sample_tokens, seed=run.cfg.seed
@@ -490,7 +537,8 @@ def _log(
         samples_per_rank_step=b.micro_batch_size * b.gradient_accumulation_steps,
         block_size=cfg.model.block_size,
         micro_steps=b.gradient_accumulation_steps,
-        flops_per_token=engine.module.flops_per_token(),
+        data_parallel=b.data_parallel_size,
+        flops_per_token=analytic_flops_per_token(cfg.model),
         peak_tflops=peak,
     )
     norm = grad_norm if grad_norm is not None else engine.get_global_grad_norm()

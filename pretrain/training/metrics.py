@@ -193,10 +193,14 @@ def summarize(
     samples_per_rank_step: int,
     block_size: int,
     micro_steps: int,
+    data_parallel: int | None = None,
     flops_per_token: float | None = None,
     peak_tflops: float | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The log row (totals over ranks) and one row per rank, for `steps` optimizer steps.
+
+    Samples are counted once per data-parallel group (`data_parallel`, default: every rank): the
+    ranks of one tensor-parallel group or one pipeline work on the same samples.
 
     Step time is the slowest rank's interval (ranks meet at every gradient reduction); phase times
     are the mean over ranks, per step. MFU is the model FLOPs done per second over the peak of all
@@ -204,7 +208,7 @@ def summarize(
     """
     world = len(ranks)
     dt = max(r.interval_s for r in ranks) / steps
-    samples_per_s = samples_per_rank_step * world / dt
+    samples_per_s = samples_per_rank_step * (data_parallel or world) / dt
     tokens_per_s = samples_per_s * block_size
     row: dict[str, Any] = {
         "loss": sum(r.loss_sum for r in ranks) / (steps * micro_steps * world),

@@ -10,14 +10,18 @@ rotates the pairs (i, i + hs/2) of each head, Hugging Face's `rotate_half` layou
 q/k weights need no permutation.
 
 The model is a plain nn.Module and knows nothing about DeepSpeed or process groups; engine.py
-wraps it. Two things are shaped for ZeRO-3 all the same: `init_weights` initialises one module's
-own parameters, so it can be re-run module by module on gathered parameters, and
-`flops_per_token` is computed from the config, which still holds when the parameters are partitioned.
+wraps it, pipeline.py cuts it into pipeline stages. Three things are shaped for parallelism all the
+same: `init_weights` initialises one module's own parameters from a seed of its name
+(`init_seed`), so it can be re-run module by module on gathered parameters (ZeRO-3) or on one
+pipeline stage's layers alone and give the weights of the whole model; attention reads its head
+counts off its projection's width, so it computes with a tensor-parallel rank's share of the heads;
+and `flops_per_token` is computed from the config, which still holds when the parameters are partitioned.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Any
 
 import torch
@@ -128,6 +132,53 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def init_seed(seed: int, name: str) -> int:
+    """The seed of one module's initial weights: the run's seed and the module's name in GPT (e.g.
+    "h.3.attn.c_attn"), so that any part of the model initialised alone gets the weights it has in
+    the whole model, whichever rank or pipeline stage builds it."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+
+
+def init_weights(module: nn.Module, cfg: ModelConfig) -> None:
+    """Initialise `module`'s own parameters (not its children's), GPT-2 style."""
+    if isinstance(module, nn.Linear):
+        # Each block adds two residual projections to the stream; scaling them by 1/sqrt(2L)
+        # keeps the residual stream's variance from growing with depth (GPT-2 paper).
+        residual = getattr(module, "is_residual_proj", False)
+        std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual else 0.02
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
+        nn.init.ones_(module.weight)
+        bias = getattr(module, "bias", None)  # RMSNorm has none
+        if isinstance(bias, Tensor):
+            nn.init.zeros_(bias)
+
+
+def decayed_names(module: nn.Module) -> set[str]:
+    """The names of the parameters AdamW decays: the weights of Linear layers, not biases, norms or
+    embeddings. A tied lm_head's weight is wte's, an embedding, so it is not decayed; an untied one is."""
+    embeddings = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    linear = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)} - embeddings
+    return {n for n, p in module.named_parameters() if id(p) in linear}
+
+
+def param_groups(
+    module: nn.Module, weight_decay: float, decayed: set[str] | None = None
+) -> list[dict[str, Any]]:
+    """AdamW's decay / no-decay groups of `module`'s parameters (each shared tensor once);
+    `decayed`: the names to decay, when taken before the module's layers were swapped."""
+    decayed = decayed_names(module) if decayed is None else decayed
+    params = list(module.named_parameters())
+    return [
+        {"params": [p for n, p in params if n in decayed], "weight_decay": weight_decay, "name": "decay"},
+        {"params": [p for n, p in params if n not in decayed], "weight_decay": 0.0, "name": "no_decay"},
+    ]
+
+
 class GPT(nn.Module):
     rope_cos: Tensor  # (block_size, hs/2), buffers present only with position="rope"
     rope_sin: Tensor
@@ -151,25 +202,19 @@ class GPT(nn.Module):
             cos, sin = rope_cache(cfg.block_size, cfg.head_size, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
-        self.apply(self.init_weights)
+        self.reset_parameters(0)
 
     def init_weights(self, module: nn.Module) -> None:
-        """Initialise `module`'s own parameters (not its children's), GPT-2 style."""
-        if isinstance(module, nn.Linear):
-            # Each block adds two residual projections to the stream; scaling them by 1/sqrt(2L)
-            # keeps the residual stream's variance from growing with depth (GPT-2 paper).
-            residual = getattr(module, "is_residual_proj", False)
-            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if residual else 0.02
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
-            nn.init.ones_(module.weight)
-            bias = getattr(module, "bias", None)  # RMSNorm has none
-            if isinstance(bias, Tensor):
-                nn.init.zeros_(bias)
+        """Initialise `module`'s own parameters; a tied lm_head is wte's weight, initialised as wte."""
+        if not (module is self.lm_head and self.cfg.tie_embeddings):
+            init_weights(module, self.cfg)
+
+    def reset_parameters(self, seed: int) -> None:
+        """Every module's parameters from `init_seed(seed, its name)`."""
+        for name, module in self.named_modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                torch.manual_seed(init_seed(seed, name))
+                self.init_weights(module)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         if idx.size(1) > self.cfg.block_size:
@@ -214,17 +259,8 @@ class GPT(nn.Module):
         return analytic_flops_per_token(self.cfg)
 
     def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
-        """AdamW groups: decay the 2-D weights of Linear layers; not biases, norms or embeddings.
-
-        A tied lm_head's weight is wte's, an embedding, so it is not decayed; an untied one is.
-        """
-        embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
-        linear = {id(m.weight) for m in self.modules() if isinstance(m, nn.Linear)} - embeddings
-        params = list(self.parameters())  # each shared tensor once
-        return [
-            {"params": [p for p in params if id(p) in linear], "weight_decay": weight_decay, "name": "decay"},
-            {"params": [p for p in params if id(p) not in linear], "weight_decay": 0.0, "name": "no_decay"},
-        ]
+        """AdamW groups: decay the 2-D weights of Linear layers; not biases, norms or embeddings."""
+        return param_groups(self, weight_decay)
 
     @torch.no_grad()
     def generate(
