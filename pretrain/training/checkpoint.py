@@ -341,11 +341,12 @@ def save(
     rec.checksums, rec.written, rec.errors = policy.checksums, {}, []
     rec.on_write = faults.kill_in_save_hook(step, rank) if faults else None
     t0 = time.perf_counter()
-    # `ds_to_universal` needs this entry to convert the checkpoint for another world size.
-    state = {
-        **client_state,
-        UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE},
+    # `ds_to_universal` needs this entry to convert the checkpoint for another world size. Under
+    # tensor parallelism AutoTP has put its own on the module: how each sharded parameter merges.
+    info = getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) or {
+        UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE
     }
+    state = {**client_state, UNIVERSAL_CHECKPOINT_INFO: info}
     engine.save_checkpoint(str(ckpt_dir), tag=tmp_tag, client_state=state, save_latest=False)
     written = {str(Path(p).relative_to(ckpt_dir / tmp_tag)): d for p, d in rec.written.items()}
     reports = gather((written, rec.errors), group)
@@ -540,8 +541,19 @@ class Checkpoint:
         return int(self.meta["step"])
 
 
-def needs_universal(meta: dict[str, Any], world_size: int, zero_stage: int) -> bool:
-    """A ZeRO checkpoint loads natively only with the partitioning it was saved with."""
+def saved_layout(meta: dict[str, Any]) -> tuple[int, int]:
+    """(tensor, pipeline) of the run that saved a checkpoint ((1, 1) before the parallel section)."""
+    par = meta.get("config", {}).get("parallel", {})
+    return int(par.get("tensor", 1)), int(par.get("pipeline", 1))
+
+
+def needs_universal(
+    meta: dict[str, Any], world_size: int, zero_stage: int, layout: tuple[int, int] = (1, 1)
+) -> bool:
+    """A ZeRO checkpoint loads natively only with the partitioning it was saved with, and a tensor-
+    or pipeline-parallel one only with its layout (tensor, pipeline)."""
+    if saved_layout(meta) != layout:
+        return True
     saved_world, saved_stage = (
         int(meta.get("world_size", world_size)),
         int(meta.get("zero_stage", zero_stage)),
@@ -633,6 +645,7 @@ def find(
     checksums: bool,
     group: Any,
     report: Any = print,
+    layout: tuple[int, int] = (1, 1),
 ) -> Checkpoint | None:
     """The checkpoint to resume from. `spec` is "auto" (the newest valid one in `ckpt_dir`; each
     invalid one is reported and the previous one tried) or what a person named (`locate`); the
@@ -652,13 +665,28 @@ def find(
         chosen = Checkpoint(root, str(path.relative_to(root)), meta)
     if chosen is None:
         return None
-    if chosen.universal or not needs_universal(chosen.meta, world_size, zero_stage):
+    (tp, pp), (saved_tp, saved_pp) = layout, saved_layout(chosen.meta)
+    if (pp > 1) != (saved_pp > 1):
+        raise CheckpointError(
+            f"{chosen.path} was saved {'by' if saved_pp > 1 else 'without'} a pipeline "
+            f"(parallel.pipeline={saved_pp}); this run has parallel.pipeline={pp}. A pipeline's checkpoint "
+            "names its parameters by stage layer, the GPT's by module, and DeepSpeed's universal format "
+            "cannot map one onto the other: resume with "
+            + (f"--set parallel.pipeline={saved_pp}" if saved_pp > 1 else "--set parallel.pipeline=1")
+            + f", or carry the weights across with `pretrain export {chosen.path}` (without the optimizer state)"
+        )
+    if chosen.universal or not needs_universal(chosen.meta, world_size, zero_stage, layout):
         return chosen
     uni = chosen.path / UNIVERSAL
     saved = f"{_ranks(int(chosen.meta.get('world_size', 0)))} at ZeRO-{chosen.meta.get('zero_stage')}"
+    if (saved_tp, saved_pp) != (1, 1) or layout != (1, 1):
+        saved += f", tensor {saved_tp} x pipeline {saved_pp}"
+        world_size_s = f"{_ranks(world_size)} at ZeRO-{zero_stage}, tensor {tp} x pipeline {pp}"
+    else:
+        world_size_s = f"{_ranks(world_size)} at ZeRO-{zero_stage}"
     if not (uni / META).is_file():
         raise CheckpointError(
-            f"{chosen.path} was saved on {saved}; this run has {_ranks(world_size)} at ZeRO-{zero_stage}. "
+            f"{chosen.path} was saved on {saved}; this run has {world_size_s}. "
             f"Convert it to DeepSpeed's universal format first:\n  pretrain convert {chosen.path}"
         )
     problems = verify_all(uni, checksums, group)
@@ -767,6 +795,13 @@ def convert_to_universal(src: Path, workers: int = 1, checksums: bool = True) ->
     meta = read_meta(src)
     if meta.get("format") == "universal":
         raise CheckpointError(f"{src} is a universal checkpoint already; `train --resume {src}` loads it")
+    if int(meta.get("zero_stage", 0)) == 0 and saved_layout(meta) != (1, 1):
+        tp, pp = saved_layout(meta)
+        raise CheckpointError(
+            f"{src} is a ZeRO stage 0 checkpoint of tensor {tp} x pipeline {pp}: DeepSpeed converts ZeRO "
+            "checkpoints (stage 1 and up) only. It resumes on its own layout; to change layouts later, "
+            "train with --set zero.stage=1"
+        )
     if int(meta.get("zero_stage", 0)) == 0:
         raise CheckpointError(
             f"{src} is a ZeRO stage 0 checkpoint: it holds the whole optimizer state and resumes on "

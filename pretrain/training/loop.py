@@ -298,6 +298,7 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
             checksums=cfg.checkpoint.checksums,
             group=ctrl,
             report=dist.log,
+            layout=(cfg.parallel.tensor, cfg.parallel.pipeline),
         )
         if resume_from is not None:
             checkpoint.check_compatible(resume_from, cfg, datasets, warn=dist.is_main)
@@ -312,14 +313,16 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
             bool(resume),  # --resume, or a supervised restart: the same W&B run
         )
     engine = ds_engine.initialize(cfg, ds_engine.build_model(cfg, ds_config), ds_config)
-    # Weights come from one seed on every rank; what is random in training (dropout) must differ
-    # between ranks, or every rank would drop the same units. A resume restores these generators.
-    torch.manual_seed(cfg.seed + 1 + dist.rank)
     b = cfg.batch
     dp_size = dist.world_size // cfg.parallel.model_parallel  # = batch.data_parallel_size
     # The ranks of one tensor-parallel group, and of one pipeline, read the same batches: the
     # data-parallel group's, which is DeepSpeed's (checked against the engine's groups).
     dp_rank = ds_engine.data_parallel_rank(cfg, dist, engine)
+    # Weights come from one seed on every rank; what is random in training (dropout) must differ
+    # between data-parallel ranks, or each would drop the same units, and agree within a tensor-
+    # parallel group, whose ranks hold the same activations between their sharded layers. A resume
+    # restores these generators.
+    torch.manual_seed(cfg.seed + 1 + dp_rank)
 
     def loader(split: str, grad_accum: int, shuffle: bool) -> ShardedLoader:
         return ShardedLoader(
@@ -580,6 +583,7 @@ def _on_bad_step(run: Run, progress: Progress, sentinel: Sentinel, *, batch_star
         zero_stage=cfg.zero.stage,
         checksums=policy.checksums,
         group=run.ctrl,
+        layout=(cfg.parallel.tensor, cfg.parallel.pipeline),
     )
     if target is None:
         raise CheckpointError(
