@@ -45,8 +45,11 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     """The fp32 weights of a checkpoint directory, gathered from every rank's shards (any ZeRO
-    stage; from the fp32 master copy where there is one). Loaded weights-only."""
+    stage; from the fp32 master copy where there is one; under tensor or pipeline parallelism from
+    the model's own weights, see `model_parallel_state_dict`). Loaded weights-only."""
     meta = checkpoint.read_meta(ckpt)
+    if checkpoint.saved_layout(meta) != (1, 1) and meta.get("format") != "universal":
+        return model_parallel_state_dict(ckpt, meta)
     # DeepSpeed reports its progress on stdout, which belongs to `pretrain sample`'s text
     with checkpoint.safe_loading(), contextlib.redirect_stdout(sys.stderr):
         if any(ckpt.glob("*optim_states.pt")) and int(meta.get("zero_stage", 0)) > 0:
@@ -58,6 +61,67 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
                 "module"
             ]
     return {k: v.detach().float().contiguous() for k, v in sd.items()}
+
+
+def model_parallel_state_dict(ckpt: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The GPT's weights from a tensor- and/or pipeline-parallel checkpoint: each pipeline layer's
+    file (or, without a pipeline, each tensor rank's model file) read, named as in GPT
+    (pipeline.gpt_names), and the tensor ranks' shards put back together as AutoTP split them
+    (ds_render.autotp_layer_specs). These are the weights the model trained with: fp32 in an fp32
+    run, the bf16 copy in a bf16 run."""
+    from pretrain.training.pipeline import gpt_names
+
+    m = ModelConfig.model_validate(meta["config"]["model"])
+    tp, pp = checkpoint.saved_layout(meta)
+    shards: dict[str, list[torch.Tensor]] = {}
+    with checkpoint.safe_loading():
+        for r in range(tp):
+            if pp == 1:
+                named = torch.load(
+                    ckpt / f"mp_rank_{r:02d}_model_states.pt", map_location="cpu", weights_only=True
+                )["module"]
+            else:
+                named = {}
+                for idx, prefix in enumerate(gpt_names(m)):
+                    f = ckpt / f"layer_{idx:02d}-model_{r:02d}-model_states.pt"
+                    if f.is_file():  # a tied head is saved once, with the embedding (layer 0)
+                        layer = torch.load(f, map_location="cpu", weights_only=True)
+                        named.update({f"{prefix}{k}": v for k, v in layer.items()})
+            for name, tensor in named.items():
+                shards.setdefault(name, []).append(tensor)
+    if m.tie_embeddings:
+        shards["lm_head.weight"] = shards["wte.weight"]
+    missing = set(gpt_param_names(m)) - set(shards)
+    if missing:
+        raise CheckpointError(
+            f"{ckpt}: the model files lack {sorted(missing)[:5]}: not a complete checkpoint"
+        )
+    return {k: merge_tensor_parallel(k, v, m).float().contiguous() for k, v in shards.items()}
+
+
+def gpt_param_names(m: ModelConfig) -> list[str]:
+    with torch.device("meta"):
+        return list(GPT(m).state_dict())
+
+
+def merge_tensor_parallel(name: str, shards: list[torch.Tensor], m: ModelConfig) -> torch.Tensor:
+    """One parameter whole again from its tensor ranks' shards. Column-parallel layers were split by
+    output rows, each sub-matrix (q, k, v; SwiGLU's gate, up) on its own; row-parallel ones by input
+    columns; everything else is whole on every rank."""
+    if len(shards) == 1:
+        return shards[0]
+    kv = m.kv_heads * m.head_size
+    if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
+        parts = [m.n_embd, kv, kv]  # q, k, v
+    elif name.endswith(("mlp.c_fc.weight", "mlp.c_fc.bias")):
+        parts = [m.ffn_hidden] * (2 if m.arch == "llama" else 1)  # [gate; up], or one matrix
+    elif name.endswith(("attn.c_proj.weight", "mlp.c_proj.weight")):
+        return torch.cat(shards, dim=1)
+    else:
+        return shards[0]
+    n = len(shards)
+    pieces = [s.split([p // n for p in parts], dim=0) for s in shards]  # per rank: its share of each part
+    return torch.cat([torch.cat([rank[i] for rank in pieces], dim=0) for i in range(len(parts))], dim=0)
 
 
 def hf_architecture(m: ModelConfig) -> str:
