@@ -39,8 +39,15 @@ COMMON = [
 ONE_DP = [*COMMON, "batch.gradient_accumulation_steps=2"]  # one data-parallel rank
 TWO_DP = [*COMMON, "batch.gradient_accumulation_steps=1"]  # two
 TP2, PP2 = "parallel.tensor=2", "parallel.pipeline=2"
+# Llama blocks with grouped-query attention (4 query heads, 2 key/value heads: a tensor rank holds
+# 2 and 1) and an untied head (a pipeline's last stage holds its own lm_head).
+LLAMA = ["model.arch=llama", "model.n_head=4", "model.n_kv_head=2", "model.tie_embeddings=false"]
+# NaN losses on the batches of steps 3 and 4: the first step is skipped (ZeRO-1 finds the gradients
+# non-finite and does not update), the second, the max_bad_steps-th in a row, rolls back.
+NAN = {"PRETRAIN_FAULT_NAN_STEPS": "3,4"}
 STOP = {"PRETRAIN_FAULT_SIGTERM": "1:4"}  # rank 1 asks after step 4; every rank saves step 5 and stops
 # Dropout, so the generators' states matter to an exact resume; 8 steps, a checkpoint every 3.
+NAN_RUN = ["schedule.max_steps=6", "checkpoint.interval=2", "checkpoint.max_bad_steps=2"]
 DROPOUT = ["model.dropout=0.1", "schedule.max_steps=8", "checkpoint.interval=3", "checkpoint.keep_last=5"]
 
 
@@ -56,7 +63,11 @@ def resumed(name: str, run: str, overrides: list[str]) -> list[dict]:
 @pytest.fixture(scope="module")
 def one_rank(char_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("par1")
-    return torchrun(1, 0, char_dataset, out, [{"name": "single", "run": "single", "overrides": ONE_DP}]), out
+    jobs = [
+        {"name": "single", "run": "single", "overrides": ONE_DP},
+        {"name": "single_llama", "run": "single_llama", "overrides": [*ONE_DP, *LLAMA]},
+    ]
+    return torchrun(1, 0, char_dataset, out, jobs), out
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +76,12 @@ def two_ranks(char_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> t
     jobs = [
         {"name": "tp2", "run": "tp2", "overrides": [*ONE_DP, TP2]},
         {"name": "pp2", "run": "pp2", "overrides": [*ONE_DP, PP2]},
+        {"name": "tp2_llama", "run": "tp2_llama", "overrides": [*ONE_DP, *LLAMA, TP2]},
+        {"name": "pp2_llama", "run": "pp2_llama", "overrides": [*ONE_DP, *LLAMA, PP2]},
+        *(
+            {"name": f"{name}_nan", "run": f"{name}_nan", "env": NAN, "overrides": [*ONE_DP, flag, *NAN_RUN]}
+            for name, flag in (("tp2", TP2), ("pp2", PP2))
+        ),
         *resumed("tp2d", "tp2d", [*ONE_DP, TP2, *DROPOUT]),
         *resumed("pp2d", "pp2d", [*ONE_DP, PP2, *DROPOUT]),
     ]
@@ -92,9 +109,31 @@ def assert_close(got: list[float], want: list[float]) -> None:
     assert worst < TOL, (worst, got, want)
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2"])
+@pytest.mark.parametrize("name", ["tp2", "pp2", "tp2_llama", "pp2_llama"])
 def test_two_rank_layouts_match_one_rank(one_rank, two_ranks, name):
-    assert_close(losses(two_ranks[0][name]), losses(one_rank[0]["single"]))
+    single = "single_llama" if name.endswith("llama") else "single"
+    assert_close(losses(two_ranks[0][name]), losses(one_rank[0][single]))
+
+
+def test_tokens_are_counted_once_per_data_parallel_group(one_rank, two_ranks):
+    """Two tensor ranks, or two stages, work on one batch: the samples and tokens of a step are
+    its global batch's, not twice it."""
+    import csv
+
+    for res, run in ((one_rank, "single"), (two_ranks, "tp2"), (two_ranks, "pp2")):
+        with (res[1] / run / "metrics.csv").open() as f:
+            rows = [r for r in csv.DictReader(f) if r.get("loss")]
+        assert int(float(rows[-1]["tokens_seen"])) == STEPS * 4 * 32, run
+        ratio = float(rows[-1]["tokens_per_s"]) / float(rows[-1]["samples_per_s"])
+        assert ratio == pytest.approx(32, rel=1e-4), run  # tokens/s and samples/s on one count
+
+
+def test_nan_losses_are_skipped_then_rolled_back(two_ranks):
+    res = two_ranks[0]
+    for name in ("tp2_nan", "pp2_nan"):
+        got = res[name]
+        assert got["skipped_steps"] == [3] and got["rollbacks"] == [2] and got["final_step"] == 6, got
+    assert_close(losses(res["tp2_nan"]), losses(res["pp2_nan"]))  # the same batches skipped
 
 
 @pytest.mark.parametrize("name", ["tp2dp2", "pp2dp2"])
@@ -131,7 +170,7 @@ def test_checkpoints_record_the_layout(two_ranks, four_ranks):
     assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= set(meta["files"])
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2"])
+@pytest.mark.parametrize("name", ["tp2", "pp2", "tp2_llama", "pp2_llama"])
 def test_export_equals_the_single_rank_model(one_rank, two_ranks, tmp_path, name):
     """The exported model of a layout (its shards merged, its stages named back) computes the
     logits of the one-rank run's export: they trained on the same batches to within 1e-6."""
@@ -147,7 +186,8 @@ def test_export_equals_the_single_rank_model(one_rank, two_ranks, tmp_path, name
         with torch.no_grad():
             return model(x, x)[0]
 
-    want = logits(one_rank[1] / "single", tmp_path / "single")
+    single = "single_llama" if name.endswith("llama") else "single"
+    want = logits(one_rank[1] / single, tmp_path / "single")
     got = logits(two_ranks[1] / name, tmp_path / name)
     assert (got - want).abs().max().item() < TOL
 

@@ -246,7 +246,10 @@ def pipeline_step(
     # Every stage reads the step's micro-batches (the first uses the inputs, the last the labels), so
     # that every rank's loader stands at the same position, the one a checkpoint records.
     batches = [run.train_data.next_batch() for _ in range(micro_steps)]
-    engine.module.loss_fn.poison = faults.nan(batch_start, run.dist.rank)  # test hook
+    # Test hook (PRETRAIN_FAULT_NAN_STEPS): the loss of the first data-parallel rank, on the last
+    # stage, where the loss is computed.
+    first = engine.is_last_stage() and engine.grid.get_data_parallel_rank() == 0
+    engine.module.loss_fn.poison = first and faults.nan(batch_start, 0)
     timer.phase("fwd_bwd")
     mean_loss = engine.train_batch(iter(batches))  # the mean over the micro-batches, on every stage
     step_loss = mean_loss.detach().float().reshape(()) * micro_steps
