@@ -5,6 +5,8 @@ give the per-step losses of a 2-rank run on one host:
 - launch/pdsh.sh: `deepspeed --hostfile` over pdsh and ssh;
 - launch/no_ssh.sh: one `deepspeed --no_ssh --node_rank K` per host;
 - launch/mpirun.sh: Open MPI's mpirun, ranks discovered through mpi4py.
+Model parallelism across hosts: two ranks per host, a pipeline stage on each host with tensor
+parallelism inside it (launch/pdsh.sh), must give the losses of the same layout on one host.
 Then `pretrain preflight` passes on the healthy cluster and names each seeded fault with its host.
 """
 
@@ -52,10 +54,11 @@ def launch_args(cluster: Cluster) -> list[str]:
     ]  # fmt: skip
 
 
-def losses(run_dir: Path) -> list[float]:
+def losses(run_dir: Path, column: str = "loss") -> list[float]:
+    """Per step, as metrics.csv has it (6 significant digits): the loss, or another column."""
     with (run_dir / "metrics.csv").open() as f:
         rows = [r for r in csv.DictReader(f) if r.get("loss")]
-    return [float(r["loss"]) for r in rows]
+    return [float(r[column]) for r in rows]
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +167,59 @@ def test_slurm_sbatch_on_a_real_two_node_slurm(cluster, char_dataset, single_hos
     )
     job_id = logs[0].stem.removeprefix("job-")
     assert (tmp_path / f"pretrain-slurm-{job_id}.hostfile").read_text() == "node1 slots=1\nnode2 slots=1\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# pipeline across the hosts, tensor parallelism inside each
+
+# Two blocks so each pipeline stage holds one, two heads so each tensor-parallel rank holds one, and
+# two micro batches so the pipeline has something to overlap. Later --set values override train_args'.
+PP2_TP2 = [
+    "--set", "parallel.pipeline=2", "--set", "parallel.tensor=2", "--set", "zero.stage=1",
+    "--set", "model.n_layer=2", "--set", "batch.micro_batch_size=2",
+    "--set", "batch.gradient_accumulation_steps=2",
+]  # fmt: skip
+LAYOUT = "tensor 2 x pipeline 2 x data 1 = world size 4"
+
+
+def test_pipeline_across_hosts_tensor_within_matches_one_host(cluster, char_dataset, tmp_path):
+    """PP2 x TP2 on 2 hosts x 2 ranks: ranks are laid out pipeline-major, so stage 0 (ranks 0, 1, a
+    tensor-parallel pair) is node1 and stage 1 (ranks 2, 3) is node2. Activations and their gradients
+    cross the hosts between the stages, the tensor-parallel all-reduces stay on each host, and the
+    tied embedding's gradient is all-reduced between the first and the last stage, across them.
+
+    The losses and gradient norms must equal those of the same 4 ranks on one host as metrics.csv
+    writes them (6 significant digits), with no tolerance: the ranks, their groups and so gloo's
+    algorithm for each collective are the same on one host and on two (TCP either way, over loopback
+    or the veth pair), so every sum is taken in the same order and the arithmetic is identical."""
+    single_dir = tmp_path / "single"
+    one_host = subprocess.run(
+        [PY, "-m", "pretrain", "train", "--nproc-per-node", "4", *train_args(char_dataset, single_dir), *PP2_TP2],
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=480,
+    )  # fmt: skip
+    assert one_host.returncode == 0, one_host.stdout[-4000:] + one_host.stderr[-4000:]
+    assert LAYOUT in one_host.stdout
+    reference = losses(single_dir), losses(single_dir, "grad_norm")
+    assert len(reference[0]) == STEPS
+
+    run_dir = tmp_path / "run"
+    out = cluster.run(
+        0,
+        [str(ROOT / "launch" / "pdsh.sh"), str(cluster.hostfile((2, 2))),
+         *train_args(char_dataset, run_dir), *PP2_TP2, *launch_args(cluster)],
+        timeout=480,
+        env=cluster.env(MASTER_PORT="29577"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-6000:]
+    assert LAYOUT in out.stdout
+    got = losses(run_dir), losses(run_dir, "grad_norm")
+    assert len(got[0]) == STEPS, out.stdout[-3000:]
+    assert got == reference
+    # node2's ranks were started over ssh (pdsh prefixes their output with the host) as ranks 2 and 3,
+    # and those are the second pipeline stage in DeepSpeed's topology.
+    assert "node2: " in out.stdout
+    assert "global_rank_mapping=defaultdict(<class 'list'>, {'node1': [0, 1], 'node2': [2, 3]})" in out.stdout
+    assert "ProcessCoord(pipe=1, data=0, model=0): 2, ProcessCoord(pipe=1, data=0, model=1): 3}" in out.stdout
 
 
 # ---------------------------------------------------------------------------------------------
