@@ -963,7 +963,7 @@ def render_times(cfg: RunConfig, world: int, rates: Rates) -> list[str]:
         lines.append(
             f"{mark}ZeRO-{t.stage:<2} {t.offload:<17} {t.compute_s:>8.3g} {t.tp_comm_s:>8.3g} {t.pp_comm_s:>8.3g} "
             f"{t.bubble_s:>8.3g} {t.comm_s:>6.3g} {t.exposed_comm_s:>8.3g} "
-            f"{t.optimizer_s:>10.3g} | {t.step_s:>8.3g} | {t.tokens_per_s:>11,.0f} | {t.days:.3g}"
+            f"{t.optimizer_s:>10.3g} | {t.step_s:>8.3g} | {t.tokens_per_s:>11,.0f} | {t.days:.4g}"
         )
     lines.append(
         f"days: to train schedule.max_steps = {cfg.schedule.max_steps:,} steps ({total_tokens:,} tokens). "
@@ -1113,7 +1113,7 @@ def render_search(cfg: RunConfig, to: Target, rates: Rates | None, *, fitting: b
     ]
     for o in found[:SEARCH_SHOWN]:
         step = "-" if o.step_s is None else f"{o.step_s:.3g}"
-        days = "-" if o.days is None else f"{o.days:.3g}"
+        days = "-" if o.days is None else f"{o.days:.4g}"
         lines.append(
             f"{o.layout:<20} ZeRO-{o.stage:<2} {o.offload:<10} {_gb(o.device_total_gb):>9} | {step:>8} | "
             f"{days:>6} | " + " ".join(f"--set {s}" for s in o.overrides)
