@@ -163,7 +163,9 @@ def parser() -> argparse.ArgumentParser:
     _add_checkpoint_parsers(sub)
 
     p = sub.add_parser(
-        "plan", help="Before launch: batch, tokens, DeepSpeed JSON, memory and communication per ZeRO stage."
+        "plan",
+        help="Before launch: batch, tokens, DeepSpeed JSON, memory, communication and step time per ZeRO "
+        "stage for the tensor x pipeline x data-parallel layout, and the layouts that fit.",
     )
     p.add_argument(
         "config_file", nargs="?", metavar="CONFIG", help="Run config file (as --config), or a preset name."
@@ -185,16 +187,32 @@ def parser() -> argparse.ArgumentParser:
     t = p.add_argument_group(
         "step time (default: a previous run, preflight's figure, this machine, assumptions)"
     )
-    t.add_argument("--device", help="The GPU, for its datasheet peak (e.g. A100, H100), or 'cpu'.")
+    t.add_argument(
+        "--device",
+        help="The GPU, for its datasheet peak and, where the name says it (A100-80GB) or the GPU comes in "
+        "one size (H100), its memory; or 'cpu'.",
+    )
     t.add_argument("--peak-tflops", type=POSITIVE, help="One rank's peak TFLOP/s.")
     t.add_argument("--mfu", type=FRACTION, help="The fraction of the peak forward+backward reach.")
     t.add_argument("--busbw", type=POSITIVE, help="All-reduce bus bandwidth in GB/s (preflight measures it).")
+    t.add_argument(
+        "--node-busbw",
+        type=POSITIVE,
+        help="All-reduce bus bandwidth within a node in GB/s, for tensor parallelism (default: --busbw on one "
+        "node, else assumed).",
+    )
     t.add_argument(
         "--from-run",
         metavar="RUN_DIR",
         action="append",
         help="Take MFU and the optimizer's cost (on the device, or on the host if it offloaded) from a "
         "previous run (repeatable: e.g. one run with offload, one without).",
+    )
+    p.add_argument(
+        "--layouts",
+        action="store_true",
+        help="List the tensor x pipeline x ZeRO layouts that fit, fastest first, even when the configured one "
+        "fits (they are listed anyway when nothing fits).",
     )
     p.add_argument("--json", action="store_true", help="Print the plan as JSON.")
 
@@ -561,6 +579,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from pretrain.cluster.hardware import gpu_memory_gb
     from pretrain.cluster.plan import (
         Target,
         default_device_gb,
@@ -588,7 +607,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = _config(args, world)
     vocab, vocab_src = vocab_size(cfg)
     cfg = resolve_vocab(cfg, vocab)
-    device_gb, device_src = (args.device_gb, "--device-gb") if args.device_gb else default_device_gb(world)
+    named = gpu_memory_gb(args.device) if args.device and args.device != "cpu" else None
+    if args.device_gb:
+        device_gb, device_src = args.device_gb, "--device-gb"
+    elif named is not None:
+        device_gb, device_src = named, f"--device {args.device}"
+    else:
+        device_gb, device_src = default_device_gb(world)
     to = Target(world, per_node, device_gb, device_src, args.host_gb or host_memory_gb())
     rates = resolve_rates(
         cfg,
@@ -598,12 +623,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         peak_tflops=args.peak_tflops,
         mfu=args.mfu,
         busbw_gbs=args.busbw,
+        node_busbw_gbs=args.node_busbw,
         from_runs=[Path(r) for r in args.from_run or []],
     )
     if args.json:
-        print(json.dumps(plan_json(cfg, to, rates), indent=2))
+        print(json.dumps(plan_json(cfg, to, rates, search=args.layouts), indent=2))
         return 0
-    print(render_plan(cfg, to, rates))
+    print(render_plan(cfg, to, rates, search=args.layouts))
     print(f"(vocab {cfg.model.vocab_size} from {vocab_src})")
     return 0
 

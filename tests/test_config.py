@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -129,7 +130,10 @@ def test_overrides_and_config_file(tmp_path):
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_presets_validate(name):
-    build(name, world_size=16)
+    # 16 ranks (hostfiles/a100x16), or the fewest its tensor x pipeline layout divides into
+    par = build(name).parallel
+    cfg = build(name, world_size=math.lcm(16, par.tensor * par.pipeline))
+    assert cfg.batch.data_parallel_size == math.lcm(16, par.model_parallel) // par.model_parallel
 
 
 @pytest.mark.parametrize(
@@ -225,8 +229,20 @@ def test_ds_configs_are_in_sync_and_accepted_by_deepspeed(name):
     assert path.read_text() == render_file(preset, overrides, world), (
         f"{path} is out of date: run `pretrain render --all`"
     )
-    for required in ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]:
+    for required in [
+        "zero1",
+        "zero2",
+        "zero2_offload",
+        "zero3",
+        "zero3_offload",
+        "llama7b_2x8",
+        "llama70b_8x8",
+    ]:
         assert required in DS_CONFIG_RENDERS
+
+
+def test_every_file_in_ds_configs_is_a_render_the_tests_keep_in_sync():
+    assert sorted(p.stem for p in (ROOT / "ds_configs").glob("*.json")) == sorted(DS_CONFIG_RENDERS)
 
 
 def test_zero2_offload_is_the_a100x16_6p7b_config():

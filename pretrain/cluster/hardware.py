@@ -1,4 +1,4 @@
-"""The device's peak FLOP/s: the one answer `train` (the denominator of MFU) and `plan` (a step's
+"""The device's peak FLOP/s (and a GPU's memory by name): the one answer `train` (the denominator of MFU) and `plan` (a step's
 compute time) both use for a machine.
 
 A GPU's peak comes from the vendors' datasheets; a CPU's is the larger of a measured matmul rate
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -35,6 +36,23 @@ def gpu_peak_tflops(device_name: str, precision: str, tf32: bool = False) -> flo
     for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):  # 'H100 PCIe' before 'H100'
         if all(part in device_name for part in key.split()):
             return GPU_PEAK_TFLOPS[key][kind]
+    return None
+
+
+# Memory of the GPUs that come in one size only, in GB as the datasheets give it; the A100 comes in
+# 40 and 80 GB, so its name must say which (e.g. `A100-80GB`).
+GPU_MEMORY_GB: dict[str, float] = {"H100 PCIe": 80.0, "H100": 80.0, "H200": 141.0}
+
+
+def gpu_memory_gb(device_name: str) -> float | None:
+    """A GPU's memory from its name: the size it states (`A100-80GB`, `NVIDIA A100 80GB PCIe`), else
+    the table's for a GPU made in one size; None when the name leaves it open."""
+    stated = re.search(r"(\d+(?:\.\d+)?)\s*GB", device_name, re.IGNORECASE)
+    if stated:
+        return float(stated.group(1))
+    for key in sorted(GPU_MEMORY_GB, key=len, reverse=True):
+        if all(part in device_name for part in key.split()):
+            return GPU_MEMORY_GB[key]
     return None
 
 

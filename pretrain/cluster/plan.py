@@ -39,11 +39,31 @@ Step time (`predict_step`) adds three parts, per rank:
 The rates come from flags, from a previous run's metrics (`--from-run`: its forward/backward and
 optimizer phase times, less the communication predicted for its own config), or from preflight's
 measured bus bandwidth; otherwise from stated assumptions.
+
+Under a layout of tensor (t) x pipeline (p) x data-parallel (d) ranks (`parallel`, `Layout`):
+- parameters: a rank holds 1/t of its stage's block matrices and its stage's norms, embeddings and
+  lm_head whole (AutoTP leaves those unsplit); the stages are cut from [embedding, blocks, head] by
+  DeepSpeed's own partition functions (`stage_shares`), and ZeRO's formulas above apply to the
+  rank's parameters with N = d. The plan shows the rank that needs the most memory;
+- activations: what lies between a column- and a row-parallel matrix is split over t; under the
+  1F1B schedule stage s keeps min(p - s, m) micro batches in flight (m = gradient accumulation
+  steps), checkpointing every `parallel.activation_checkpoint_interval` blocks;
+- communication: tensor parallel's 4 all-reduces a block a micro batch (2 forward, 2 backward, 2
+  more in a recomputed forward) of micro x block x n_embd values, a ring moving 2(t-1)/t of each on
+  the node's bus; the pipeline's point-to-point sends of the same size to the neighbour stages (and
+  a tied embedding's gradient between the first and the last); ZeRO's over the d ranks;
+- step time: the slowest stage's compute and model-parallel communication (neither AutoTP nor the
+  pipeline engine overlaps them), stretched by the bubble (p - 1) / (m + p - 1) of the pipeline's
+  time, then ZeRO's exposed communication and the optimizer as above.
+When no ZeRO stage fits the configured layout, `search_layouts` tries the others and lists those
+that fit as the `--set` overrides that give them, fastest first.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import statistics
 from dataclasses import asdict, dataclass
@@ -53,13 +73,15 @@ from typing import Any
 import torch
 
 from pretrain.cluster.hardware import GPU_PEAK_TFLOPS, device_peak_tflops, gpu_peak_tflops
-from pretrain.config.ds_render import render_deepspeed
+from pretrain.config.ds_render import pipeline_checkpoint_interval, render_deepspeed
 from pretrain.config.tree import (
     ModelConfig,
     RunConfig,
-    analytic_flops_per_token,
     analytic_num_params,
+    data_parallel_of,
+    deep_merge,
     load_file,
+    parse_override,
     validate,
 )
 from pretrain.errors import ConfigError, DataError
@@ -89,9 +111,14 @@ class StagePlan:
     device_total_gb: float
     ds_device_gb: float | None  # DeepSpeed's estimate_zero{2,3}_model_states_mem_needs
     ds_host_gb: float | None  # per node, as DeepSpeed estimates host memory
-    comm_gb_per_step: float  # per rank, as in the paper (elements x bytes, no (N-1)/N factor)
+    comm_gb_per_step: float  # ZeRO's, per rank, as in the paper (elements x bytes, no (N-1)/N factor)
     fits: bool | None
     host_fits: bool | None  # the offloaded states of a node's ranks in its host memory
+    layout: str = "TP1 x PP1 x DP1"
+    pipeline_stage: int = 0  # the stage of the rank shown: the one that needs the most memory
+    rank_params: int = 0  # the parameters that rank holds (its tensor shard of its stage)
+    tp_comm_gb_per_step: float = 0.0  # tensor parallel's all-reduces (counted 2X, as comm_gb_per_step)
+    pp_comm_gb_per_step: float = 0.0  # the pipeline's sends to neighbour stages
 
 
 @dataclass
@@ -103,6 +130,124 @@ class Target:
     device_gb: float | None = None
     device_src: str = ""
     host_gb: float | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# The layout: tensor x pipeline x data-parallel ranks, and what each pipeline stage's ranks hold
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A world of ranks as tensor x pipeline x data-parallel groups (DeepSpeed's topology: tensor
+    ranks adjacent, then data, pipeline stages outermost)."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+    def __str__(self) -> str:
+        return f"TP{self.tensor} x PP{self.pipeline} x DP{self.data}"
+
+
+def layout_of(cfg: RunConfig, world: int) -> Layout:
+    """`cfg`'s parallel section on `world` ranks, the data-parallel size as the tree derives it."""
+    par = cfg.parallel
+    dp = data_parallel_of({"world_size": world, "model_parallel": par.model_parallel})
+    if dp is None:
+        raise ConfigError(
+            [f"parallel: tensor x pipeline ({par.model_parallel}) does not divide the world size ({world})"],
+            "plan",
+        )
+    return Layout(par.tensor, par.pipeline, dp)
+
+
+@dataclass(frozen=True)
+class StageShare:
+    """One pipeline stage as each of its tensor-parallel ranks holds it."""
+
+    index: int
+    blocks: int
+    first: bool  # holds the embeddings (wte, wpe)
+    last: bool  # holds ln_f and the lm_head (under pipeline, a tied lm_head's own copy of wte)
+    params: int  # on each rank of the stage: 1/tensor of the blocks' matrices, the rest whole
+    flops_per_token: float  # forward + backward on each rank, the recomputed forward included
+
+
+def layer_params(m: ModelConfig) -> tuple[int, int, int, int]:
+    """(embedding, a block's tensor-parallel part, a block's replicated part, head) parameters.
+
+    AutoTP splits a block's four matrices (and their biases, counted with them) over the tensor
+    ranks (`ds_render.autotp_layer_specs`); the norms, the embeddings and the lm_head stay whole on
+    every rank. A tied lm_head is wte: one copy without pipeline, one on the first and one on the last
+    stage with it (TiedLayerSpec), so the head's count includes it either way."""
+    d, vocab, f = m.n_embd, m.vocab_size or 0, m.ffn_hidden
+    kv, b = m.kv_heads * m.head_size, 1 if m.bias else 0
+    norm = d + b * d
+    attention = d * (d + 2 * kv) + b * (d + 2 * kv) + d * d + b * d
+    mlp = (2 if m.arch == "llama" else 1) * (d * f + b * f) + f * d + b * d
+    embedding = vocab * d + (m.block_size * d if m.position == "learned" else 0)
+    return embedding, attention + mlp, 2 * norm, norm + vocab * d
+
+
+def recomputes(cfg: RunConfig, pipeline: int) -> int:
+    """Blocks between activation checkpoints (0: none): the pipeline's interval with stages, else
+    model.activation_checkpointing's one block."""
+    return pipeline_checkpoint_interval(cfg) if pipeline > 1 else int(cfg.model.activation_checkpointing)
+
+
+def stage_shares(cfg: RunConfig, layout: Layout) -> list[StageShare]:
+    """Each pipeline stage's blocks, parameters and FLOPs per rank.
+
+    The stages are cut as DeepSpeed's PipelineModule cuts the layer list [embedding, block x L,
+    head] (`parallel.partition_method`: 'uniform' by layer count, 'parameters' by parameter count,
+    with DeepSpeed's own partition functions); the embeddings weigh on the first stage, the head on
+    the last, whole on each of their tensor ranks."""
+    m, tp, pp = cfg.model, layout.tensor, layout.pipeline
+    emb, sharded, whole, head = layer_params(m)
+    n_layer = m.n_layer
+    block_params = sharded / tp + whole
+    attention_flops = 12 * m.n_head * m.head_size * m.block_size  # the scores and their weighted sum
+    block_flops = (6 * sharded + attention_flops) / tp + 6 * whole
+    if recomputes(cfg, pp):
+        block_flops *= 4 / 3  # the forward again in backward (2N of the 6N)
+    head_flops = 6 * head  # ln_f and the lm_head matmul, whole on every tensor rank; the lookups are free
+    if pp == 1:
+        tied = (m.vocab_size or 0) if m.tie_embeddings else 0  # one wte, which is the lm_head
+        cuts = [0, n_layer + 2]
+    else:
+        tied = 0
+        cuts = _partition(
+            (emb, *([sharded + whole] * n_layer), head), pp, cfg.parallel.partition_method == "uniform"
+        )
+    out = []
+    for i in range(pp):
+        start, stop = cuts[i], cuts[i + 1]
+        blocks = len(range(max(start, 1), min(stop, n_layer + 1)))
+        first, last = start == 0 < stop, stop == n_layer + 2 > start
+        params = blocks * block_params + (emb if first else 0) + (head if last else 0) - tied * m.n_embd
+        flops = blocks * block_flops + (head_flops if last else 0)
+        out.append(StageShare(i, blocks, first, last, round(params), flops))
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _partition(weights: tuple[int, ...], parts: int, uniform: bool) -> list[int]:
+    """DeepSpeed's own cut of a PipelineModule's layers (`deepspeed.runtime.utils`)."""
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform  # seconds to import
+
+    if uniform:
+        return list(partition_uniform(num_items=len(weights), num_parts=parts))
+    return [int(c) for c in partition_balanced(weights=list(weights), num_parts=parts)]
+
+
+def in_flight(cfg: RunConfig, layout: Layout, share: StageShare) -> int:
+    """Micro batches whose activations a stage keeps at once: one without pipeline; under the 1F1B
+    schedule stage s runs pipeline - s forwards before its first backward (all m when m is fewer)."""
+    return min(layout.pipeline - share.index, cfg.batch.gradient_accumulation_steps)
 
 
 def bytes_per_param(precision: str, stage: int) -> tuple[int, int, int]:
@@ -161,24 +306,38 @@ def working_bytes(cfg: RunConfig, n_params: int, *, stage: int, world: int) -> f
     return float(largest_layer_params(cfg) * (p + g) + g * bucket)
 
 
-def activation_bytes(cfg: RunConfig) -> float:
-    """Activations kept for backward by one micro batch on one rank."""
+def activation_bytes(cfg: RunConfig, layout: Layout | None = None, share: StageShare | None = None) -> float:
+    """Activations kept for backward on one rank: one micro batch's through the whole model, or
+    (`layout`, `share`) those of a pipeline stage's micro batches in flight on one of its tensor ranks."""
     m = cfg.model
-    s, b, h, L = m.block_size, cfg.batch.micro_batch_size, m.n_embd, m.n_layer
+    layout = layout or Layout()
+    s, b, h, tp = m.block_size, cfg.batch.micro_batch_size, m.n_embd, layout.tensor
+    blocks, first, last = (
+        (m.n_layer, True, True) if share is None else (share.blocks, share.first, share.last)
+    )
     vocab = m.vocab_size or 0
     a = 2 if cfg.precision.name in ("bf16", "fp16") else 4  # bytes per activation value
     masks = 2 * s * b * h if m.dropout > 0 else 0  # 1-byte dropout masks: attention out + MLP out
     # Values kept per token: the two norms' inputs (2h); attention's input, q, k, v and output
     # (3h + 2 kv, flash attention keeps no T x T scores); the MLP's input and hidden activations,
     # GELU's c_fc output and GELU output (2f), or SwiGLU's gate, up, silu(gate) and product (4f).
-    # For gpt2 (f = 4h, kv = h) that is Korthikanti's 32 sbh bytes at a = 2, without masks.
+    # For gpt2 (f = 4h, kv = h) that is Korthikanti's 32 sbh bytes at a = 2, without masks. Tensor
+    # parallel splits what lies between a column- and a row-parallel matrix (q, k, v, attention's
+    # output, the MLP's hidden values) over the tensor ranks; the norms' and the matrices' inputs
+    # stay whole on each (no sequence parallelism).
     kv, f = m.kv_heads * m.head_size, m.ffn_hidden
-    per_token = 2 * h + (3 * h + 2 * kv) + h + (4 if m.arch == "llama" else 2) * f
-    per_layer = per_token * s * b * a + masks
-    # With checkpointing: each block's input, and one block's activations while it is recomputed.
-    layers = L * s * b * h * a + per_layer if m.activation_checkpointing else L * per_layer
-    logits = s * b * vocab * (a + 4)  # the logits and cross-entropy's fp32 softmax
-    return float(layers + logits + s * b * h * a)  # + the embedding output
+    whole = 2 * h + h + h
+    split = 2 * h + 2 * kv + (4 if m.arch == "llama" else 2) * f
+    per_layer = (whole + split / tp) * s * b * a + masks
+    # With checkpointing: the input of every interval's first block, and one interval's activations
+    # while it is recomputed (once, whatever the micro batches in flight).
+    every = recomputes(cfg, layout.pipeline)
+    kept = math.ceil(blocks / every) * s * b * h * a if every else blocks * per_layer
+    recompute = min(every, blocks) * per_layer if every else 0
+    logits = s * b * vocab * (a + 4) if last else 0  # the logits and cross-entropy's fp32 softmax
+    embedded = s * b * h * a if first else 0  # the embedding output
+    count = 1 if share is None else in_flight(cfg, layout, share)
+    return float(count * (kept + logits + embedded) + recompute)
 
 
 def comm_elements(n_params: int, stage: int, grad_accum: int) -> float:
@@ -201,29 +360,36 @@ class Rates:
 
     peak_tflops: float  # one rank's device peak, TFLOP/s
     mfu: float  # the fraction of the peak that forward + backward reach
-    busbw: float  # all-reduce bus bandwidth, bytes/s
+    busbw: float  # all-reduce bus bandwidth over the world, bytes/s
     optimizer_s_per_param: float  # an optimizer step on the device, seconds per parameter
     host_optimizer_s_per_param: float  # the same on the host, under optimizer offload
     sources: dict[str, str]
+    node_busbw: float | None = None  # all-reduce bus bandwidth within a node; None: busbw
+    ranks_per_node: int | None = None  # which groups stay on one node's bus; None: none is told apart
 
 
 @dataclass
 class StepTime:
     stage: int
     offload: str
-    compute_s: float
-    comm_s: float  # all of the step's communication
-    exposed_comm_s: float  # what compute does not hide
+    compute_s: float  # the slowest pipeline stage's forward + backward on one rank
+    comm_s: float  # ZeRO's communication over the data-parallel group
+    exposed_comm_s: float  # what compute does not hide of it
     optimizer_s: float
     step_s: float
     tokens_per_s: float  # all ranks
     days: float  # to train schedule.max_steps steps
+    layout: str = "TP1 x PP1 x DP1"
+    tp_comm_s: float = 0.0  # tensor parallel's all-reduces, on the critical path
+    pp_comm_s: float = 0.0  # the pipeline's sends between stages, and the tied embedding's all-reduce
+    bubble_fraction: float = 0.0  # (p - 1) / (m + p - 1)
+    bubble_s: float = 0.0  # the pipeline filling and draining
 
 
 def hardware_flops_per_token(m: ModelConfig) -> float:
     """The FLOPs a token costs the device: the model's, plus the forward pass again for the blocks
-    that activation checkpointing recomputes in backward (2N of the 6N)."""
-    return analytic_flops_per_token(m) * (4 / 3 if m.activation_checkpointing else 1.0)
+    that activation checkpointing recomputes in backward (2N of their 6N)."""
+    return sum(s.flops_per_token for s in stage_shares(RunConfig(model=m), Layout()))
 
 
 def elem_bytes(precision: str) -> int:
@@ -231,40 +397,134 @@ def elem_bytes(precision: str) -> int:
     return 2 if precision in ("bf16", "fp16") else 4
 
 
+def group_busbw(rates: Rates, span: int) -> float:
+    """The bus bandwidth of a group whose ranks lie within `span` adjacent ranks: a node's, where
+    that stays on one node, else the world's."""
+    if rates.node_busbw is not None and rates.ranks_per_node is not None and span <= rates.ranks_per_node:
+        return rates.node_busbw
+    return rates.busbw
+
+
+def tp_comm_bytes(cfg: RunConfig, layout: Layout, share: StageShare) -> float:
+    """Tensor parallel's all-reduces a step on one rank of `share`, an all-reduce of X counted as
+    2X (as `comm_elements`): two a block forward (after attention's and the MLP's row-parallel
+    matrix), two backward (before their column-parallel inputs), two more where the forward is
+    recomputed, each of a micro batch's activations (micro x block x n_embd values)."""
+    if layout.tensor == 1:
+        return 0.0
+    m, b = cfg.model, cfg.batch
+    per_block = 4 + (2 if recomputes(cfg, layout.pipeline) else 0)
+    x = b.micro_batch_size * m.block_size * m.n_embd * elem_bytes(cfg.precision.name)
+    return float(share.blocks * per_block * b.gradient_accumulation_steps * 2 * x)
+
+
+def pp_comm_bytes(cfg: RunConfig, layout: Layout, share: StageShare) -> float:
+    """What one rank of `share` sends to its neighbour stages a step: a micro batch's activations
+    forward and their gradients back (micro x block x n_embd values each), and under tied embeddings
+    the all-reduce of wte's gradient between the first and the last stage (counted as 2X)."""
+    if layout.pipeline == 1:
+        return 0.0
+    m, b = cfg.model, cfg.batch
+    sends = (0 if share.last else 1) + (0 if share.first else 1)
+    x = b.micro_batch_size * m.block_size * m.n_embd * elem_bytes(cfg.precision.name)
+    return float(sends * b.gradient_accumulation_steps * x + _tied_bytes(cfg, layout, share))
+
+
+def _tied_bytes(cfg: RunConfig, layout: Layout, share: StageShare) -> float:
+    m = cfg.model
+    if layout.pipeline == 1 or not m.tie_embeddings or not (share.first or share.last):
+        return 0.0
+    return float(2 * (m.vocab_size or 0) * m.n_embd * elem_bytes(cfg.precision.name))
+
+
+def bubble_fraction(layout: Layout, micro_batches: int) -> float:
+    """The share of a 1F1B pipeline step its stages sit idle while it fills and drains."""
+    p = layout.pipeline
+    return (p - 1) / (micro_batches + p - 1)
+
+
+@dataclass
+class StageTime:
+    """One stage's part of a step on one of its ranks, in seconds."""
+
+    compute: float
+    tp_comm: float
+    pp_comm: float
+
+    @property
+    def busy(self) -> float:
+        return self.compute + self.tp_comm + self.pp_comm
+
+
+def stage_times(cfg: RunConfig, layout: Layout, rates: Rates) -> list[StageTime]:
+    """Each stage's compute and its model-parallel communication a step (no bubble)."""
+    m, b = cfg.model, cfg.batch
+    tokens = b.micro_batch_size * b.gradient_accumulation_steps * m.block_size  # each stage sees them all
+    tp_bw = group_busbw(rates, layout.tensor)
+    pp_bw = group_busbw(rates, layout.world)  # stage neighbours lie tensor x data ranks apart
+    t = layout.tensor
+    return [
+        StageTime(
+            compute=sh.flops_per_token * tokens / (rates.peak_tflops * 1e12 * rates.mfu),
+            tp_comm=tp_comm_bytes(cfg, layout, sh) * (t - 1) / t / tp_bw,
+            # a send of X takes X / busbw; the tied all-reduce between two ranks its 2X x (2 - 1) / 2
+            pp_comm=(pp_comm_bytes(cfg, layout, sh) - _tied_bytes(cfg, layout, sh) / 2) / pp_bw,
+        )
+        for sh in stage_shares(cfg, layout)
+    ]
+
+
 def predict_step(
     cfg: RunConfig, world: int, *, stage: int, offload_optimizer: bool, offload_param: bool, rates: Rates
 ) -> StepTime:
-    """One optimizer step of `cfg` at this stage and offload, on `world` ranks."""
-    m, b = cfg.model, cfg.batch
-    n = analytic_num_params(m)
-    tokens = b.micro_batch_size * b.gradient_accumulation_steps * m.block_size  # per rank
-    compute = hardware_flops_per_token(m) * tokens / (rates.peak_tflops * 1e12 * rates.mfu)
+    """One optimizer step of `cfg` at this stage and offload, on `world` ranks laid out as
+    `cfg.parallel` says.
+
+    A step takes the slowest pipeline stage's time (its compute, tensor parallel's all-reduces and its
+    sends, all on the critical path: neither AutoTP nor DeepSpeed's pipeline engine overlaps them),
+    stretched by the bubble to (m + p - 1) / m of it, then ZeRO's communication over the data-parallel
+    group less what overlaps compute, then the optimizer step over the rank's partition."""
+    layout = layout_of(cfg, world)
+    b = cfg.batch
+    m_batches = b.gradient_accumulation_steps
+    shares = stage_shares(cfg, layout)
+    times = stage_times(cfg, layout, rates)
+    st = max(times, key=lambda t: t.busy)
+    bubble = st.busy * (layout.pipeline - 1) / m_batches
+    dp = layout.data
+    heaviest = max(shares, key=lambda sh: sh.params)  # ZeRO's traffic and the optimizer grow with the shard
     comm = comm_seconds(
-        n,
+        heaviest.params,
         stage=stage,
-        grad_accum=b.gradient_accumulation_steps,
+        grad_accum=m_batches,
         precision=cfg.precision.name,
-        world=world,
-        busbw=rates.busbw,
+        world=dp,
+        busbw=group_busbw(rates, layout.tensor * dp),
     )
     window = 0.0
     if cfg.zero.overlap_comm:
-        window = {2: 2 / 3 * compute, 3: compute}.get(stage, 0.0)
+        window = {2: 2 / 3 * st.compute, 3: st.compute}.get(stage, 0.0)
     exposed = max(0.0, comm - window)
-    partition = n if stage == 0 else n / world
+    partition = heaviest.params if stage == 0 else heaviest.params / dp
     per_param = rates.host_optimizer_s_per_param if offload_optimizer else rates.optimizer_s_per_param
     optimizer = partition * per_param
-    step = compute + exposed + optimizer
+    step = st.busy + bubble + exposed + optimizer
+    tokens = b.micro_batch_size * m_batches * cfg.model.block_size  # per data-parallel replica
     return StepTime(
         stage=stage,
         offload="optimizer+params" if offload_param else "optimizer" if offload_optimizer else "none",
-        compute_s=compute,
+        compute_s=st.compute,
         comm_s=comm,
         exposed_comm_s=exposed,
         optimizer_s=optimizer,
         step_s=step,
-        tokens_per_s=tokens * world / step,
+        tokens_per_s=tokens * dp / step,
         days=step * cfg.schedule.max_steps / 86400,
+        layout=str(layout),
+        tp_comm_s=st.tp_comm,
+        pp_comm_s=st.pp_comm,
+        bubble_fraction=bubble_fraction(layout, m_batches),
+        bubble_s=bubble,
     )
 
 
@@ -272,7 +532,7 @@ def comm_seconds(
     n_params: int, *, stage: int, grad_accum: int, precision: str, world: int, busbw: float
 ) -> float:
     """A step's communication at `busbw`: the ZeRO paper's bytes (an all-reduce of X counted as
-    2X) times (N-1)/N, as a ring moves them."""
+    2X) times (N-1)/N, as a ring moves them, over a data-parallel group of `world` ranks."""
     if world <= 1:
         return 0.0
     return comm_elements(n_params, stage, grad_accum) * elem_bytes(precision) * (world - 1) / world / busbw
@@ -295,10 +555,13 @@ def resolve_rates(
     peak_tflops: float | None = None,
     mfu: float | None = None,
     busbw_gbs: float | None = None,
+    node_busbw_gbs: float | None = None,
     from_runs: list[Path] | None = None,
 ) -> Rates:
     """The rates for `predict_step`: flags first, then a previous run's measurements, preflight's
-    bus bandwidth, this machine's device; assumptions last, each source named."""
+    bus bandwidth, this machine's device; assumptions last, each source named. Within a node (tensor
+    parallel, and any group that stays on one) the bus is the world's on one node, else NVLink's
+    (`--node-busbw`, or assumed)."""
     src: dict[str, str] = {}
     kind = "cpu" if device == "cpu" or (device is None and not torch.cuda.is_available()) else "cuda"
     if peak_tflops is not None:
@@ -316,6 +579,12 @@ def resolve_rates(
         peak, src["peak"] = _local_peak(cfg, ranks_per_node)
     multinode = world > ranks_per_node
     busbw, src["busbw"] = _busbw(cfg, world, kind, multinode=multinode, given=busbw_gbs)
+    if node_busbw_gbs is not None:
+        node_busbw, src["node_busbw"] = node_busbw_gbs * 1e9, "--node-busbw"
+    elif not multinode:
+        node_busbw, src["node_busbw"] = busbw, "the world's, on one node"
+    else:
+        node_busbw, src["node_busbw"] = ASSUMED_BUSBW[kind], "assumed (pass --node-busbw)"
     rates = Rates(
         peak_tflops=peak,
         mfu=ASSUMED_MFU,
@@ -323,6 +592,8 @@ def resolve_rates(
         optimizer_s_per_param=ASSUMED_OPTIMIZER_S[kind],
         host_optimizer_s_per_param=ASSUMED_HOST_OPTIMIZER_S,
         sources=src,
+        node_busbw=node_busbw,
+        ranks_per_node=ranks_per_node,
     )
     src["mfu"] = src["optimizer"] = "assumed"
     mfus = [_calibrate(rates, run_dir) for run_dir in from_runs or []]  # and each the optimizer where it ran
@@ -382,26 +653,32 @@ def _calibrate(rates: Rates, run_dir: Path) -> float:
     fwd_bwd = statistics.median(float(r["fwd_bwd_s"] or 0.0) for r in rows)
     optimizer = statistics.median(float(r["optimizer_s"] or 0.0) for r in rows)
     m, b, z = run.model, run.batch, run.zero
-    world = b.data_parallel_size or 1
-    n = analytic_num_params(m)
+    layout = Layout(run.parallel.tensor, run.parallel.pipeline, b.data_parallel_size or 1)
+    shares = stage_shares(run, layout)
+    heaviest = max(shares, key=lambda sh: sh.params)
     comm = comm_seconds(
-        n,
+        heaviest.params,
         stage=z.stage,
         grad_accum=b.gradient_accumulation_steps,
         precision=run.precision.name,
-        world=world,
-        busbw=rates.busbw,
+        world=layout.data,
+        busbw=group_busbw(rates, layout.tensor * layout.data),
     )
     exposed = comm if z.stage < 2 or not z.overlap_comm else 0.0  # inside backward, or hidden by it
-    compute = max(fwd_bwd - exposed, 1e-9)
+    # The measured forward+backward holds the slowest stage's compute and model-parallel
+    # communication, stretched by the bubble: take both out.
+    slowest = max(range(len(shares)), key=lambda i: shares[i].flops_per_token)
+    st = stage_times(run, layout, rates)[slowest]
+    stretch = 1 + (layout.pipeline - 1) / b.gradient_accumulation_steps
+    compute = max((fwd_bwd - exposed) / stretch - st.tp_comm - st.pp_comm, 1e-9)
     tokens = b.micro_batch_size * b.gradient_accumulation_steps * m.block_size
-    per_param = optimizer / (n if z.stage == 0 else n / world)
+    per_param = optimizer / (heaviest.params if z.stage == 0 else heaviest.params / layout.data)
     if z.offload_optimizer:
         rates.host_optimizer_s_per_param = per_param
     else:
         rates.optimizer_s_per_param = per_param
     rates.sources["optimizer"] = f"{run_dir}: optimizer {optimizer * 1e3:.1f} ms a step"
-    return hardware_flops_per_token(m) * tokens / compute / (rates.peak_tflops * 1e12)
+    return shares[slowest].flops_per_token * tokens / compute / (rates.peak_tflops * 1e12)
 
 
 def deepspeed_estimate(
@@ -441,6 +718,17 @@ def deepspeed_estimate(
     return None, None
 
 
+def layout_variants(layout: Layout) -> list[tuple[int, bool, bool]]:
+    """The (stage, offload_optimizer, offload_param) that combine with a layout, as
+    `tree.parallel_problems` allows them: ZeRO 0-1 without offload under pipeline, 0-2 with tensor
+    parallel, everything with data parallelism alone."""
+    if layout.pipeline > 1:
+        return [v for v in VARIANTS if v[0] <= 1 and not v[1]]
+    if layout.tensor > 1:
+        return [v for v in VARIANTS if v[0] <= 2]
+    return list(VARIANTS)
+
+
 def plan_stages(
     cfg: RunConfig,
     world: int,
@@ -449,28 +737,43 @@ def plan_stages(
     gpus_per_node: int | None = None,
     host_gb: float | None = None,
 ) -> list[StagePlan]:
-    """Every stage with and without offload, for this config's model, batch and precision."""
-    n = analytic_num_params(cfg.model)
+    """Every ZeRO stage and offload the layout allows, for this config's model, batch, precision and
+    layout (`cfg.parallel` on `world` ranks): the memory of the rank that needs the most."""
+    layout = layout_of(cfg, world)
+    shares = stage_shares(cfg, layout)
+    dp, precision = layout.data, cfg.precision.name
     largest = largest_layer_params(cfg)
-    precision = cfg.precision.name
-    act = activation_bytes(cfg)
+    per_node = gpus_per_node or min(world, 8)
     out = []
-    for stage, off, par in VARIANTS:
-        params, grads, optim, host = model_states(
-            n, stage=stage, world=world, precision=precision, offload_optimizer=off, offload_param=par
-        )
-        working = working_bytes(cfg, n, stage=stage, world=world)
+    for stage, off, par in layout_variants(layout):
+        rows = []
+        for share in shares:
+            params, grads, optim, host = model_states(
+                share.params,
+                stage=stage,
+                world=dp,
+                precision=precision,
+                offload_optimizer=off,
+                offload_param=par,
+            )
+            working = working_bytes(cfg, share.params, stage=stage, world=dp)
+            act = activation_bytes(cfg, layout, share)
+            rows.append(
+                (params + grads + optim + act + working, share, params, grads, optim, host, act, working)
+            )
+        total, share, params, grads, optim, host, act, working = max(rows, key=lambda r: r[0])
         states = params + grads + optim
-        total = states + act + working
-        ds_dev, ds_host = deepspeed_estimate(
-            n,
-            largest,
-            stage=stage,
-            world=world,
-            gpus_per_node=gpus_per_node or min(world, 8),
-            offload_optimizer=off,
-            offload_param=par,
-        )
+        if layout.tensor * layout.pipeline == 1:
+            ds_dev, ds_host = deepspeed_estimate(
+                share.params, largest, stage=stage, world=world, gpus_per_node=per_node,
+                offload_optimizer=off, offload_param=par,
+            )  # fmt: skip
+        else:  # DeepSpeed's estimators know data parallelism only: the rank's shard over its group
+            ds_dev, _ = deepspeed_estimate(
+                share.params, largest, stage=stage, world=dp, gpus_per_node=dp,
+                offload_optimizer=off, offload_param=par,
+            )  # fmt: skip
+            ds_host = None
         out.append(
             StagePlan(
                 stage=stage,
@@ -485,11 +788,16 @@ def plan_stages(
                 device_total_gb=total / GB,
                 ds_device_gb=None if ds_dev is None else ds_dev / GB,
                 ds_host_gb=None if ds_host is None else ds_host / GB,
-                comm_gb_per_step=comm_elements(n, stage, cfg.batch.gradient_accumulation_steps)
-                * (2 if precision in ("bf16", "fp16") else 4)
+                comm_gb_per_step=comm_elements(share.params, stage, cfg.batch.gradient_accumulation_steps)
+                * elem_bytes(precision)
                 / GB,
                 fits=None if device_gb is None else total / GB <= device_gb,
-                host_fits=None if host_gb is None else host * min(world, gpus_per_node or 8) / GB <= host_gb,
+                host_fits=None if host_gb is None else host * min(world, per_node) / GB <= host_gb,
+                layout=str(layout),
+                pipeline_stage=share.index,
+                rank_params=share.params,
+                tp_comm_gb_per_step=tp_comm_bytes(cfg, layout, share) / GB,
+                pp_comm_gb_per_step=pp_comm_bytes(cfg, layout, share) / GB,
             )
         )
     return out
@@ -523,11 +831,14 @@ def _gb(x: float | None) -> str:
     return f"{x:.3f}" if x < 10 else f"{x:.1f}"
 
 
-def render_plan(cfg: RunConfig, to: Target, rates: Rates | None = None) -> str:
+def render_plan(cfg: RunConfig, to: Target, rates: Rates | None = None, *, search: bool = False) -> str:
+    """The plan as `pretrain plan` prints it; the layouts that fit follow when nothing fits the
+    configured one (or with `search`)."""
     world, device_gb = to.world, to.device_gb
     b, m = cfg.batch, cfg.model
     n = analytic_num_params(m)
     tbs = b.sequences
+    layout = layout_of(cfg, world)
     lines = [
         f"{cfg.preset}: {n / 1e6:.2f}M parameters (Ψ), {m.arch}, {m.n_layer} layers, n_embd {m.n_embd}, "
         f"context {m.block_size}, vocab {m.vocab_size}, {cfg.precision.name}",
@@ -535,42 +846,81 @@ def render_plan(cfg: RunConfig, to: Target, rates: Rates | None = None) -> str:
         f"{b.data_parallel_size} = {tbs} sequences per step",
         f"tokens: {tbs * m.block_size:,} per step, {tbs * m.block_size * cfg.schedule.max_steps:,} in "
         f"{cfg.schedule.max_steps:,} steps",
+        f"layout: {layout} = {world} ranks (parallel.tensor x parallel.pipeline x data-parallel)",
+        *render_layout(cfg, layout),
         "",
         "DeepSpeed JSON (rendered):",
         json.dumps(render_deepspeed(cfg), indent=2),
         "",
-        f"Memory per rank in GB, world size {world}; device memory {_gb(device_gb)} GB ({to.device_src}); "
-        f"host memory {_gb(to.host_gb)} GB a node.",
-        "Model states by the ZeRO paper (see `pretrain/cluster/plan.py`); DeepSpeed's estimate assumes 16-bit "
+        f"Memory per rank in GB, {layout}, world size {world}; device memory {_gb(device_gb)} GB "
+        f"({to.device_src}); host memory {_gb(to.host_gb)} GB a node.",
+        "Model states by the ZeRO paper (see `pretrain/cluster/plan.py`), ZeRO sharding over the "
+        f"{layout.data} data-parallel rank{'s' if layout.data > 1 else ''}; DeepSpeed's estimate assumes 16-bit "
         "training (2 + 18 bytes/param), gives host memory per node, and does not model stage 0.",
     ]
+    pp = layout.pipeline > 1
     header = (
         "stage  offload            params  grads  optim   host | states  activ  work | device total"
-        " | DS device  DS host/node | comm/step | fits | host fits"
+        " | DS device  DS host/node | comm/step | fits | host fits" + (" | pipeline stage" if pp else "")
     )
     lines += [header, "-" * len(header)]
     chosen = (cfg.zero.stage, cfg.zero.offload_optimizer, cfg.zero.offload_param)
-    for p in plan_stages(
-        cfg, world, device_gb=device_gb, gpus_per_node=to.ranks_per_node, host_gb=to.host_gb
-    ):
+    plans = plan_stages(cfg, world, device_gb=device_gb, gpus_per_node=to.ranks_per_node, host_gb=to.host_gb)
+    for p in plans:
         mark = "*" if (p.stage, p.offload != "none", p.offload == "optimizer+params") == chosen else " "
-        lines.append(
+        row = (
             f"{mark}{p.stage:<5} {p.offload:<17} {_gb(p.params_gb):>7} {_gb(p.grads_gb):>6} "
             f"{_gb(p.optimizer_gb):>6} {_gb(p.host_gb):>6} | {_gb(p.model_states_gb):>6} "
             f"{_gb(p.activations_gb):>6} {_gb(p.working_gb):>5} | {_gb(p.device_total_gb):>12} | "
             f"{_gb(p.ds_device_gb):>9} {_gb(p.ds_host_gb):>13} | {_gb(p.comm_gb_per_step):>9} | "
-            f"{_yes(p.fits):>4} | {_yes(p.host_fits)}"
+            f"{_yes(p.fits):>4} | {_yes(p.host_fits):<9}" + (f" | {p.pipeline_stage}" if pp else "")
         )
+        lines.append(row.rstrip())
+    activ = (
+        f"activations of the micro batches a stage keeps in flight (1F1B: stage s keeps min(p - s, m); "
+        f"activation checkpoint interval {recomputes(cfg, layout.pipeline)})"
+        if pp
+        else "activations of one micro batch "
+        f"({'with' if m.activation_checkpointing else 'without'} activation checkpointing)"
+    )
     lines += [
-        "* this config. activ: activations of one micro batch "
-        f"({'with' if m.activation_checkpointing else 'without'} activation checkpointing). work: DeepSpeed's "
-        "gradient reduction buffers (and stage 3's gathered largest layer). comm: what each rank sends per optimizer step (2Ψ stages 0-2, 3Ψ "
-        "stage 3, per micro step where the stage reduces each one). host fits: the offloaded states of "
-        "a node's ranks in its host memory."
+        f"* this config. Each row is the rank that needs the most memory{' (its pipeline stage last)' if pp else ''}. "
+        f"activ: {activ}. work: DeepSpeed's "
+        "gradient reduction buffers (and stage 3's gathered largest layer). comm: what each rank sends per "
+        "optimizer step for ZeRO (2Ψ stages 0-2, 3Ψ stage 3, Ψ the rank's parameters, per micro step where the "
+        "stage reduces each one). host fits: the offloaded states of a node's ranks in its host memory."
     ]
     if rates is not None:
         lines += ["", *render_times(cfg, world, rates)]
+    if device_gb is not None and (search or not any(p.fits and p.host_fits is not False for p in plans)):
+        lines += ["", *render_search(cfg, to, rates, fitting=not search)]
     return "\n".join(lines)
+
+
+def render_layout(cfg: RunConfig, layout: Layout) -> list[str]:
+    """What each rank holds under a model-parallel layout (nothing to say without one)."""
+    if layout.tensor * layout.pipeline == 1:
+        return []
+    lines = []
+    if layout.tensor > 1:
+        lines.append(
+            f"  tensor: each rank holds 1/{layout.tensor} of every block's four matrices, heads and MLP width "
+            "(AutoTP); the norms, embeddings and lm_head whole"
+        )
+    shares = stage_shares(cfg, layout)
+    if layout.pipeline > 1:
+        parts = [
+            f"{sh.index}: {'embedding + ' if sh.first else ''}{sh.blocks} blocks{' + head' if sh.last else ''}, "
+            f"{sh.params / 1e9:.3g}B"
+            for sh in shares
+        ]
+        lines.append(
+            f"  pipeline stages (partition '{cfg.parallel.partition_method}'; parameters a rank): "
+            + "; ".join(parts)
+        )
+    else:
+        lines.append(f"  parameters a rank: {shares[0].params / 1e9:.3g}B")
+    return lines
 
 
 def _yes(x: bool | None) -> str:
@@ -581,50 +931,218 @@ def step_times(cfg: RunConfig, world: int, rates: Rates) -> list[StepTime]:
     """`predict_step` for every stage and offload that `plan_stages` lists."""
     return [
         predict_step(cfg, world, stage=stage, offload_optimizer=off, offload_param=par, rates=rates)
-        for stage, off, par in VARIANTS
+        for stage, off, par in layout_variants(layout_of(cfg, world))
     ]
 
 
 def render_times(cfg: RunConfig, world: int, rates: Rates) -> list[str]:
     m, b = cfg.model, cfg.batch
+    layout = layout_of(cfg, world)
     total_tokens = b.sequences * m.block_size * cfg.schedule.max_steps
     src = rates.sources
+    node = (
+        f"; within a node {rates.node_busbw / 1e9:.3g} GB/s ({src.get('node_busbw', 'given')})"
+        if rates.node_busbw is not None and rates.node_busbw != rates.busbw
+        else ""
+    )
     lines = [
-        f"Time per step, world size {world}: peak {rates.peak_tflops:.3g} TFLOP/s a rank ({src['peak']}); "
+        f"Time per step, {layout}, world size {world}: peak {rates.peak_tflops:.3g} TFLOP/s a rank ({src['peak']}); "
         f"MFU of forward+backward {rates.mfu:.2f} ({src['mfu']}); all-reduce bus bandwidth "
-        f"{rates.busbw / 1e9:.3g} GB/s ({src['busbw']}); optimizer {rates.optimizer_s_per_param * 1e9:.3g} ns "
+        f"{rates.busbw / 1e9:.3g} GB/s ({src['busbw']}){node}; optimizer {rates.optimizer_s_per_param * 1e9:.3g} ns "
         f"a parameter, {rates.host_optimizer_s_per_param * 1e9:.3g} on the host ({src['optimizer']}).",
     ]
-    header = "ZeRO    offload            compute   comm  exposed  optimizer |   step s |    tokens/s | days"
+    header = (
+        "ZeRO    offload            compute  TP comm  PP comm   bubble   comm  exposed  optimizer |   step s"
+        " |    tokens/s | days"
+    )
     lines += [header, "-" * len(header)]
     chosen = (cfg.zero.stage, cfg.zero.offload_optimizer, cfg.zero.offload_param)
-    for t in step_times(cfg, world, rates):
+    times = step_times(cfg, world, rates)
+    for t in times:
         mark = "*" if (t.stage, t.offload != "none", t.offload == "optimizer+params") == chosen else " "
         lines.append(
-            f"{mark}ZeRO-{t.stage:<2} {t.offload:<17} {t.compute_s:>8.3g} {t.comm_s:>6.3g} {t.exposed_comm_s:>8.3g} "
-            f"{t.optimizer_s:>10.3g} | {t.step_s:>8.3g} | {t.tokens_per_s:>11,.0f} | {t.days:.3g}"
+            f"{mark}ZeRO-{t.stage:<2} {t.offload:<17} {t.compute_s:>8.3g} {t.tp_comm_s:>8.3g} {t.pp_comm_s:>8.3g} "
+            f"{t.bubble_s:>8.3g} {t.comm_s:>6.3g} {t.exposed_comm_s:>8.3g} "
+            f"{t.optimizer_s:>10.3g} | {t.step_s:>8.3g} | {t.tokens_per_s:>11,.0f} | {t.days:.4g}"
         )
     lines.append(
         f"days: to train schedule.max_steps = {cfg.schedule.max_steps:,} steps ({total_tokens:,} tokens). "
-        "Seconds per optimizer step; exposed: the communication compute does not hide."
+        "Seconds per optimizer step on the slowest pipeline stage; comm: ZeRO's over the data-parallel group; "
+        "exposed: the part of it compute does not hide."
     )
+    x = b.micro_batch_size * m.block_size * m.n_embd
+    shares = stage_shares(cfg, layout)
+    if layout.tensor > 1:
+        tp = layout.tensor
+        per_block = 4 + (2 if recomputes(cfg, layout.pipeline) else 0)
+        gb = max(tp_comm_bytes(cfg, layout, sh) for sh in shares) / GB
+        lines.append(
+            f"TP comm: {per_block} all-reduces a block a micro batch (2 forward, 2 backward"
+            f"{', 2 in the recomputed forward' if per_block > 4 else ''}) of micro x block x n_embd = {x:,} "
+            f"values, a ring moving 2(t - 1)/t = {2 * (tp - 1) / tp:.3g} of each, at "
+            f"{group_busbw(rates, tp) / 1e9:.3g} GB/s ({'within a node' if _on_node(rates, tp) else 'across nodes'}): "
+            f"{gb:.3g} GB a step (counted 2X), on the critical path."
+        )
+    if layout.pipeline > 1:
+        p, mb = layout.pipeline, b.gradient_accumulation_steps
+        f = bubble_fraction(layout, mb)
+        lines.append(
+            f"bubble: (p - 1) / (m + p - 1) = {p - 1} / ({mb} + {p - 1}) = {f:.1%} of the pipeline's time idle "
+            f"(m: batch.gradient_accumulation_steps{'; fewer than 4 x p micro batches: raise it' if mb < 4 * p else ''})."
+        )
+        gb = max(pp_comm_bytes(cfg, layout, sh) for sh in shares) / GB
+        lines.append(
+            f"PP comm: each micro batch's activations to the next stage and their gradients back, {x:,} values "
+            f"each{', and the tied embedding gradient between the first and last stage' if m.tie_embeddings else ''}, "
+            f"at {group_busbw(rates, layout.world) / 1e9:.3g} GB/s: {gb:.3g} GB a step on the busiest stage."
+        )
     return lines
 
 
-def plan_json(cfg: RunConfig, to: Target, rates: Rates | None = None) -> dict[str, Any]:
+def _on_node(rates: Rates, span: int) -> bool:
+    return rates.ranks_per_node is not None and span <= rates.ranks_per_node
+
+
+# ---------------------------------------------------------------------------------------------
+# When the configured layout does not fit: the layouts that would
+
+
+@dataclass
+class LayoutOption:
+    """A layout that fits, as the overrides that give it."""
+
+    overrides: list[str]
+    layout: str
+    stage: int
+    offload: str
+    device_total_gb: float
+    step_s: float | None
+    days: float | None
+
+
+def search_layouts(cfg: RunConfig, to: Target, rates: Rates | None) -> tuple[list[LayoutOption], int]:
+    """The layouts of a small search that fit the device (and host), fastest first, and how many
+    were tried: tensor 1, 2, 4, 8 up to the ranks of a node, pipeline stages dividing the node count
+    or the layers, every ZeRO stage and offload `layout_variants` allows, activation checkpointing as
+    configured and on. The global batch stays: the accumulation makes up for the data-parallel size
+    (a layout whose data-parallel size does not divide it is left out)."""
+    world, m, b = to.world, cfg.model, cfg.batch
+    per_node = to.ranks_per_node or min(world, 8)
+    nodes = max(1, world // per_node)
+    base = cfg.model_dump(mode="json")
+    base["batch"] |= {"data_parallel_size": None, "train_batch_size": None}
+    found, tried = [], 0
+    for tp in (t for t in (1, 2, 4, 8) if t <= per_node):
+        for pp in (p for p in range(1, m.n_layer + 1) if nodes % p == 0 or m.n_layer % p == 0):
+            if world % (tp * pp):
+                continue
+            dp = world // (tp * pp)
+            if b.sequences % (b.micro_batch_size * dp):
+                continue
+            accum = b.sequences // (b.micro_batch_size * dp)
+            for ckpt in sorted({m.activation_checkpointing, True}):
+                sets = [f"parallel.tensor={tp}", f"parallel.pipeline={pp}"]
+                if accum != b.gradient_accumulation_steps:
+                    sets.append(f"batch.gradient_accumulation_steps={accum}")
+                if ckpt != m.activation_checkpointing:
+                    sets.append("model.activation_checkpointing=true")
+                if pp > 1 and cfg.compile.enabled:
+                    sets.append("compile.enabled=false")
+                for stage, off, par in layout_variants(Layout(tp, pp, dp)):
+                    over = [*sets, f"zero.stage={stage}"]
+                    if off != cfg.zero.offload_optimizer:
+                        over.append(f"zero.offload_optimizer={str(off).lower()}")
+                    if par != cfg.zero.offload_param:
+                        over.append(f"zero.offload_param={str(par).lower()}")
+                    data: dict[str, Any] = base
+                    for item in over:
+                        data = deep_merge(data, parse_override(item))
+                    tried += 1
+                    try:
+                        c = validate(data, world)
+                    except ConfigError:
+                        continue  # a layout the model's shape or ZeRO refuses
+                    row = next(
+                        p
+                        for p in plan_stages(
+                            c, world, device_gb=to.device_gb, gpus_per_node=per_node, host_gb=to.host_gb
+                        )
+                        if (p.stage, p.offload != "none", p.offload == "optimizer+params")
+                        == (stage, off, par)
+                    )
+                    if not row.fits or row.host_fits is False:
+                        continue
+                    t = None
+                    if rates is not None:
+                        t = predict_step(
+                            c, world, stage=stage, offload_optimizer=off, offload_param=par, rates=rates
+                        )
+                    found.append(
+                        LayoutOption(
+                            overrides=over,
+                            layout=row.layout,
+                            stage=stage,
+                            offload=row.offload,
+                            device_total_gb=row.device_total_gb,
+                            step_s=None if t is None else t.step_s,
+                            days=None if t is None else t.days,
+                        )
+                    )
+    found.sort(key=lambda o: (o.step_s if o.step_s is not None else 0.0, o.device_total_gb))
+    return found, tried
+
+
+SEARCH_SHOWN = 5
+
+
+def render_search(cfg: RunConfig, to: Target, rates: Rates | None, *, fitting: bool) -> list[str]:
+    found, tried = search_layouts(cfg, to, rates)
+    said = (
+        f"Nothing fits {layout_of(cfg, to.world)} on {_gb(to.device_gb)} GB devices."
+        if fitting
+        else f"Layouts on {to.world} ranks of {_gb(to.device_gb)} GB."
+    )
+    if not found:
+        return [f"{said} No layout of the {tried} searched fits either (tensor 1-8 within a node, pipeline "
+                "stages dividing the nodes or layers, ZeRO 0-3, activation checkpointing): more ranks, or a "
+                "smaller micro batch."]  # fmt: skip
+    lines = [
+        f"{said} Layouts that fit, fastest first ({min(len(found), SEARCH_SHOWN)} of the {len(found)} that fit, "
+        f"of {tried} searched; the global batch of {cfg.batch.sequences} sequences kept):",
+        "layout               ZeRO    offload    device GB |   step s |   days | --set",
+    ]
+    for o in found[:SEARCH_SHOWN]:
+        step = "-" if o.step_s is None else f"{o.step_s:.3g}"
+        days = "-" if o.days is None else f"{o.days:.4g}"
+        lines.append(
+            f"{o.layout:<20} ZeRO-{o.stage:<2} {o.offload:<10} {_gb(o.device_total_gb):>9} | {step:>8} | "
+            f"{days:>6} | " + " ".join(f"--set {s}" for s in o.overrides)
+        )
+    return lines
+
+
+def plan_json(
+    cfg: RunConfig, to: Target, rates: Rates | None = None, *, search: bool = False
+) -> dict[str, Any]:
+    layout = layout_of(cfg, to.world)
+    plans = plan_stages(
+        cfg, to.world, device_gb=to.device_gb, gpus_per_node=to.ranks_per_node, host_gb=to.host_gb
+    )
     out: dict[str, Any] = {
         "params": analytic_num_params(cfg.model),
         "world_size": to.world,
+        "layout": asdict(layout),
+        "pipeline_stages": [asdict(s) for s in stage_shares(cfg, layout)],
         "device_gb": to.device_gb,
         "host_gb": to.host_gb,
-        "stages": [
-            asdict(p)
-            for p in plan_stages(
-                cfg, to.world, device_gb=to.device_gb, gpus_per_node=to.ranks_per_node, host_gb=to.host_gb
-            )
-        ],
+        "stages": [asdict(p) for p in plans],
     }
     if rates is not None:
         out["rates"] = asdict(rates)
         out["step_times"] = [asdict(t) for t in step_times(cfg, to.world, rates)]
+    out["layouts_that_fit"] = None  # searched when nothing fits, or asked
+    if to.device_gb is not None and (search or not any(p.fits and p.host_fits is not False for p in plans)):
+        found, tried = search_layouts(cfg, to, rates)
+        out["layouts_that_fit"] = [asdict(o) for o in found]
+        out["layouts_searched"] = tried
     return out

@@ -134,6 +134,74 @@ PRESETS.update(
 )
 
 
+def _llama2(
+    n_layer: int,
+    n_head: int,
+    n_embd: int,
+    ffn: int,
+    *,
+    lr: float,
+    micro_batch: int,
+    accumulation: int,
+    stage: int,
+    tensor: int,
+    pipeline: int = 1,
+    n_kv_head: int | None = None,
+) -> dict[str, Any]:
+    """Llama 2's shapes and recipe (Touvron et al. 2023): context 4096, a 32000-token BPE (trained on the
+    corpus here), untied embeddings, RoPE base 10000, AdamW (0.9, 0.95) eps 1e-5, weight decay 0.1,
+    clipping 1.0, 2000 warmup steps and a cosine to 10%; 1024 sequences (4M tokens) a step at the
+    layout the preset is sized for, with activation checkpointing, in bf16."""
+    return {
+        "model": {
+            "arch": "llama",
+            "n_layer": n_layer,
+            "n_head": n_head,
+            "n_kv_head": n_kv_head or n_head,
+            "n_embd": n_embd,
+            "intermediate_size": ffn,
+            "block_size": 4096,
+            "rope_theta": 10000.0,
+            "tie_embeddings": False,
+            "activation_checkpointing": True,
+        },
+        "data": {"tokenizer": "bpe", "bpe_vocab_size": 32000},
+        "optimizer": {"lr": lr, "eps": 1e-5, "weight_decay": 0.1, "grad_clip": 1.0, "fused_adam": True},
+        "schedule": {"max_steps": 500_000, "warmup_steps": 2000, "min_lr_ratio": 0.1},
+        "batch": {"micro_batch_size": micro_batch, "gradient_accumulation_steps": accumulation},
+        "precision": {"bf16": True},
+        "zero": {"stage": stage},
+        "parallel": {"tensor": tensor, "pipeline": pipeline},
+        "checkpoint": {"interval": 1000, "keep_last": 2},
+        "logging": {"log_interval": 1, "eval_interval": 1000, "eval_batches": 20},
+    }
+
+
+# Llama 2 at 7B, 13B and 70B, each in a layout that `pretrain plan` shows fits A100-80GB nodes of 8:
+# 7B data-parallel with ZeRO-1 (hostfiles/a100x16: 16 ranks of 4 x 16), 13B tensor-parallel over 2 GPUs
+# of a node (a100x16: 8 replicas of 4 x 32), 70B tensor-parallel over a node's 8 GPUs and 4 pipeline
+# stages across nodes, ZeRO-1 over the 2 replicas of hostfiles/a100x64 (1 x 512 micro batches).
+PRESETS.update(
+    {
+        "llama-7b": _llama2(32, 32, 4096, 11008, lr=3e-4, micro_batch=4, accumulation=16, stage=1, tensor=1),
+        "llama-13b": _llama2(40, 40, 5120, 13824, lr=3e-4, micro_batch=4, accumulation=32, stage=1, tensor=2),
+        "llama-70b": _llama2(
+            80,
+            64,
+            8192,
+            28672,
+            lr=1.5e-4,
+            micro_batch=1,
+            accumulation=512,
+            stage=1,
+            tensor=8,
+            pipeline=4,
+            n_kv_head=8,
+        ),
+    }
+)
+
+
 def preset_dict(name: str) -> dict[str, Any]:
     if name not in PRESETS:
         raise ConfigError([f"unknown preset '{name}'; choose one of: {', '.join(PRESETS)}"], "preset")
@@ -148,6 +216,13 @@ DS_CONFIG_RENDERS: dict[str, tuple[str, list[str], int]] = {
     "zero2_offload": ("gpt-6.7b", [], 16),
     "zero3_offload": ("gpt-6.7b", ["zero.stage=3", "zero.offload_param=true"], 16),
     "cpu_zero2": ("tiny", ["zero.stage=2"], 2),
+    # The Llama 2 presets on A100-80GB nodes of 8 (hostfiles/a100x16: 2 nodes, a100x64: 8), each at
+    # 1024 sequences a step: on 8 nodes the accumulation shrinks as the data-parallel size grows.
+    "llama7b_2x8": ("llama-7b", [], 16),
+    "llama7b_8x8": ("llama-7b", ["batch.gradient_accumulation_steps=4"], 64),
+    "llama13b_2x8": ("llama-13b", [], 16),
+    "llama13b_8x8": ("llama-13b", ["batch.gradient_accumulation_steps=8"], 64),
+    "llama70b_8x8": ("llama-70b", [], 64),
 }
 
 
