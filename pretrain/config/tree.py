@@ -819,6 +819,11 @@ def parallel_problems(cfg: RunConfig, world: int | None) -> list[str]:
                 "parallel.tensor > 1 with zero.stage 3: not supported here (the model is built under zero.Init "
                 "before AutoTP shards it): use zero.stage 1 or 2"
             )
+    if pp == 1 and par.activation_checkpoint_interval:
+        problems.append(
+            "parallel.activation_checkpoint_interval is the pipeline's (parallel.pipeline > 1); without a "
+            "pipeline set model.activation_checkpointing=true instead"
+        )
     if pp > 1:
         if m.n_layer < pp:
             problems.append(
