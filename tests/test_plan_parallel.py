@@ -89,7 +89,11 @@ def test_memory_per_rank_of_tp2_pp2_by_hand():
     assert (row.layout, row.pipeline_stage, row.rank_params) == ("TP2 x PP2 x DP2", 0, first.params)
     assert row.device_total_gb * 1e9 == pytest.approx(totals[0])
     assert row.activations_gb * 1e9 == pytest.approx(activations[0])
-    assert [p.stage for p in plan_stages(cfg, 8, device_gb=1.0)] == [0, 1]  # pipeline: ZeRO 0 and 1 only
+    # pipeline: ZeRO 0 and 1 only, and 1 alone with gradient clipping (DeepSpeed clips stage 0 by stage 0)
+    assert [p.stage for p in plan_stages(cfg, 8, device_gb=1.0)] == [1]
+    assert [
+        p.stage for p in plan_stages(small("parallel.pipeline=2", "optimizer.grad_clip=0"), 8, device_gb=1.0)
+    ] == [0, 1]
 
 
 def test_bubble_and_model_parallel_communication():

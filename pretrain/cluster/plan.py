@@ -718,12 +718,13 @@ def deepspeed_estimate(
     return None, None
 
 
-def layout_variants(layout: Layout) -> list[tuple[int, bool, bool]]:
+def layout_variants(layout: Layout, cfg: RunConfig) -> list[tuple[int, bool, bool]]:
     """The (stage, offload_optimizer, offload_param) that combine with a layout, as
-    `tree.parallel_problems` allows them: ZeRO 0-1 without offload under pipeline, 0-2 with tensor
-    parallel, everything with data parallelism alone."""
+    `tree.parallel_problems` allows them: ZeRO 0-1 without offload under pipeline (1 alone with
+    gradient clipping), 0-2 with tensor parallel, everything with data parallelism alone."""
     if layout.pipeline > 1:
-        return [v for v in VARIANTS if v[0] <= 1 and not v[1]]
+        lowest = 1 if cfg.optimizer.grad_clip > 0 else 0
+        return [v for v in VARIANTS if lowest <= v[0] <= 1 and not v[1]]
     if layout.tensor > 1:
         return [v for v in VARIANTS if v[0] <= 2]
     return list(VARIANTS)
@@ -745,7 +746,7 @@ def plan_stages(
     largest = largest_layer_params(cfg)
     per_node = gpus_per_node or min(world, 8)
     out = []
-    for stage, off, par in layout_variants(layout):
+    for stage, off, par in layout_variants(layout, cfg):
         rows = []
         for share in shares:
             params, grads, optim, host = model_states(
@@ -931,7 +932,7 @@ def step_times(cfg: RunConfig, world: int, rates: Rates) -> list[StepTime]:
     """`predict_step` for every stage and offload that `plan_stages` lists."""
     return [
         predict_step(cfg, world, stage=stage, offload_optimizer=off, offload_param=par, rates=rates)
-        for stage, off, par in layout_variants(layout_of(cfg, world))
+        for stage, off, par in layout_variants(layout_of(cfg, world), cfg)
     ]
 
 
@@ -1048,7 +1049,7 @@ def search_layouts(cfg: RunConfig, to: Target, rates: Rates | None) -> tuple[lis
                     sets.append("model.activation_checkpointing=true")
                 if pp > 1 and cfg.compile.enabled:
                     sets.append("compile.enabled=false")
-                for stage, off, par in layout_variants(Layout(tp, pp, dp)):
+                for stage, off, par in layout_variants(Layout(tp, pp, dp), cfg):
                     over = [*sets, f"zero.stage={stage}"]
                     if off != cfg.zero.offload_optimizer:
                         over.append(f"zero.offload_optimizer={str(off).lower()}")

@@ -835,6 +835,13 @@ def parallel_problems(cfg: RunConfig, world: int | None) -> list[str]:
                 "stage 0 or 1 only (it accumulates each stage's gradients over the micro-batches itself, which "
                 "ZeRO-2's gradient and ZeRO-3's parameter partitioning would take over): use zero.stage=1"
             )
+        if z.stage == 0 and cfg.optimizer.grad_clip > 0:
+            problems.append(
+                "parallel.pipeline > 1 with zero.stage 0 and optimizer.grad_clip: DeepSpeed's stage-0 clipping "
+                "under a pipeline takes the norm of the first stage's gradients only (its clip_grad_norm_ counts "
+                "a parameter on model-parallel rank 0 alone), so every later stage is clipped by the wrong "
+                "norm: use zero.stage=1 (ZeRO-1 takes the norm over every stage), or optimizer.grad_clip=0"
+            )
         if z.offload_optimizer:
             problems.append(
                 "parallel.pipeline > 1 with zero.offload_optimizer: not supported here (pipeline stages "
