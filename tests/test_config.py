@@ -292,3 +292,82 @@ def test_foreign_monitor_sections_read_back_into_logging():
     assert "tensorboard.outptu_path" in str(info.value) and "csv_monitor.foo" in str(info.value)
     with pytest.raises(ConfigError, match="modeled by the tree"):
         validate({"deepspeed_extra": {"tensorboard": {"enabled": True}}})
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor and pipeline parallelism
+
+
+def test_the_data_parallel_size_is_what_tensor_and_pipeline_leave():
+    cfg = build("tiny", overrides=["parallel.tensor=2", "parallel.pipeline=2", "zero.stage=1"], world_size=8)
+    assert cfg.batch.data_parallel_size == 2
+    assert (
+        cfg.batch.train_batch_size == cfg.batch.micro_batch_size * cfg.batch.gradient_accumulation_steps * 2
+    )
+    with pytest.raises(ConfigError) as e:  # a given data-parallel size must be what the layout leaves
+        build("tiny", overrides=["parallel.tensor=2", "batch.data_parallel_size=4"], world_size=4)
+    assert "data_parallel_size (4) does not match world size / (tensor x pipeline) (4 / 2 = 2)" in str(
+        e.value
+    )
+    assert "--set batch.data_parallel_size=2" in str(e.value)
+
+
+def test_every_impossible_layout_is_named_at_once():
+    overrides = [
+        "model.n_head=4", "model.n_embd=64", "model.n_layer=2", "model.intermediate_size=100",
+        "parallel.tensor=3", "parallel.pipeline=3", "zero.stage=2", "zero.offload_optimizer=true",
+        "compile.enabled=true",
+    ]  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        build("tiny", overrides=overrides, world_size=8)
+    text = str(e.value)
+    for needle in (
+        "parallel.tensor (3) must divide model.n_head (4)",
+        "parallel.tensor (3) must divide the MLP width (100",
+        "parallel.pipeline (3) exceeds model.n_layer (2)",
+        "zero.stage 2: DeepSpeed's pipeline engine combines with ZeRO stage 0 or 1 only",
+        "zero.offload_optimizer: not supported here",
+        "compile.enabled",
+        "tensor (3) x pipeline (3) = 9 does not divide the world size (8)",
+    ):
+        assert needle in text, (needle, text)
+    with pytest.raises(ConfigError) as e:  # grouped-query attention: the key/value heads split too
+        build(
+            "tiny", overrides=["model.arch=llama", "model.n_head=4", "model.n_kv_head=1", "parallel.tensor=2"]
+        )
+    assert "must divide model.n_kv_head (1)" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        build("tiny", overrides=["parallel.tensor=2", "zero.stage=3"])
+    assert "zero.stage 3" in str(e.value)
+    with pytest.raises(ConfigError) as e:  # DeepSpeed's stage-0 clipping under a pipeline is wrong
+        build("tiny", overrides=["parallel.pipeline=2", "zero.stage=0"])
+    assert "zero.stage=1" in str(e.value) and "grad_clip=0" in str(e.value)
+    build("tiny", overrides=["parallel.pipeline=2", "zero.stage=0", "optimizer.grad_clip=0"])
+    with pytest.raises(ConfigError) as e:
+        build("tiny", overrides=["parallel.activation_checkpoint_interval=1"])
+    assert "model.activation_checkpointing=true" in str(e.value)
+
+
+def test_tensor_and_pipeline_sections_render_and_read_back():
+    cfg = build(
+        "tiny",
+        overrides=["model.arch=llama", "model.n_head=4", "model.n_kv_head=2", "parallel.tensor=2",
+                   "parallel.pipeline=2", "zero.stage=1", "model.activation_checkpointing=true"],
+        world_size=8,
+    )  # fmt: skip
+    ds = render_deepspeed(cfg)
+    tp = ds["tensor_parallel"]
+    assert tp["autotp_size"] == 2
+    c_attn, _, c_fc, _ = tp["partition_config"]["layer_specs"]
+    assert c_attn["shape"] == [[128, 64, 64], -1]  # q, k, v split each on its own: whole heads a rank
+    assert c_fc["shape"] == [2, -1]  # SwiGLU's [gate; up]
+    assert ds["pipeline"] == {"stages": 2, "partition": "parameters", "activation_checkpoint_interval": 1}
+    check_with_deepspeed(ds)
+    base = cfg.model_dump(mode="json")
+    back = validate(deep_merge(base, tree_from_deepspeed(ds, base=base, world_size=8)), 8)
+    assert back.parallel == cfg.parallel and back.batch == cfg.batch
+    # DeepSpeed's own defaults and "off" keep the tree's values
+    read = tree_from_deepspeed(
+        {"pipeline": {"stages": "auto", "partition": "best"}, "tensor_parallel": {"autotp_size": 0}}
+    )
+    assert read.get("parallel") == {"tensor": 1}

@@ -920,12 +920,24 @@ def _read_tensor_parallel(r: Reading, value: Any) -> None:
                 v = 1
             r.put(f"tensor_parallel.{k}", "parallel", TENSOR_PARALLEL_KEYS[k], v)
         elif k == "partition_config":
-            r.notes.append(
-                "tensor_parallel.partition_config: replaced by the partition of this GPT's layers "
-                "(pretrain render shows it)"
-            )
+            if _foreign_partition(v):
+                r.notes.append(
+                    "tensor_parallel.partition_config: replaced by the partition of this GPT's layers "
+                    "(pretrain render shows it)"
+                )
         elif v != AUTO:
             r.extra.setdefault("tensor_parallel", {})[k] = v
+
+
+def _foreign_partition(value: Any) -> bool:
+    """Whether a partition_config is not the one pretrain renders (its layers and split types)."""
+    from pretrain.config.ds_render import autotp_layer_specs
+    from pretrain.config.tree import ModelConfig
+
+    ours = [(s["patterns"], s["partition_type"]) for s in autotp_layer_specs(ModelConfig())]
+    specs = value.get("layer_specs") if isinstance(value, dict) else None
+    theirs = [(s.get("patterns"), s.get("partition_type")) for s in specs or [] if isinstance(s, dict)]
+    return theirs != ours or bool(value.get("use_default_specs"))
 
 
 def _read_pipeline(r: Reading, value: Any) -> None:
@@ -935,6 +947,10 @@ def _read_pipeline(r: Reading, value: Any) -> None:
         where = f"pipeline.{k}"
         if k == "partition" and v == "best":
             continue  # DeepSpeed's default, which its PipelineModule does not implement
+        if k == "activation_checkpoint_interval" and v == int(
+            bool(r.current("model", "activation_checkpointing"))
+        ):
+            continue  # what the tree's default (None) renders
         if k in PIPELINE_KEYS:
             r.put(where, "parallel", PIPELINE_KEYS[k], v)
         elif v != AUTO:
