@@ -177,16 +177,20 @@ def device() -> torch.device:
 
 
 def build_model(cfg: RunConfig, ds_config: dict[str, Any]) -> Any:
-    """The GPT, or with parallel.pipeline > 1 this rank's pipeline stage of it (pipeline.py)."""
+    """The GPT, or with parallel.pipeline > 1 this rank's pipeline stage of it (pipeline.py).
+
+    A tensor-parallel model (or stage) is built whole on the host, where there is room for it, and
+    only the rank's shards reach the device: AutoTP slices it and DeepSpeed moves what is left."""
+    where = torch.device("cpu") if cfg.parallel.tensor > 1 else device()
     if cfg.parallel.pipeline > 1:
         from pretrain.training.pipeline import build_pipeline
 
-        with torch.device(device()):
+        with where:
             return build_pipeline(cfg)
-    return build_gpt(cfg, ds_config)
+    return build_gpt(cfg, ds_config, where)
 
 
-def build_gpt(cfg: RunConfig, ds_config: dict[str, Any]) -> GPT:
+def build_gpt(cfg: RunConfig, ds_config: dict[str, Any], where: torch.device | None = None) -> GPT:
     """Construct the GPT; at ZeRO-3 partitioned from the start, so no rank ever holds it whole.
 
     Weights are (re)initialised module by module after construction, each from a seed of
@@ -198,7 +202,7 @@ def build_gpt(cfg: RunConfig, ds_config: dict[str, Any]) -> GPT:
 
     zero3 = cfg.zero.stage == 3 and cfg.zero.init_on_construct
     if not zero3:
-        with torch.device(device()):
+        with where or device():
             model = GPT(cfg.model)
         model.reset_parameters(cfg.seed)
         return model
