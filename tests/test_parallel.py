@@ -76,6 +76,12 @@ def two_ranks(char_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> t
     jobs = [
         {"name": "tp2", "run": "tp2", "overrides": [*ONE_DP, TP2]},
         {"name": "pp2", "run": "pp2", "overrides": [*ONE_DP, PP2]},
+        # each stage recomputes its layers' activations in backward (PipelineModule's checkpointing)
+        {
+            "name": "pp2_ckpt",
+            "run": "pp2_ckpt",
+            "overrides": [*ONE_DP, PP2, "model.activation_checkpointing=true"],
+        },
         {"name": "tp2_llama", "run": "tp2_llama", "overrides": [*ONE_DP, *LLAMA, TP2]},
         {"name": "pp2_llama", "run": "pp2_llama", "overrides": [*ONE_DP, *LLAMA, PP2]},
         *(
@@ -109,7 +115,7 @@ def assert_close(got: list[float], want: list[float]) -> None:
     assert worst < TOL, (worst, got, want)
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2", "tp2_llama", "pp2_llama"])
+@pytest.mark.parametrize("name", ["tp2", "pp2", "pp2_ckpt", "tp2_llama", "pp2_llama"])
 def test_two_rank_layouts_match_one_rank(one_rank, two_ranks, name):
     single = "single_llama" if name.endswith("llama") else "single"
     assert_close(losses(two_ranks[0][name]), losses(one_rank[0][single]))
