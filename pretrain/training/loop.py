@@ -147,8 +147,7 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
                 _skip_batch(run, step, batch_start)
                 continue
             # 2. micro-steps; DeepSpeed reduces gradients and steps the optimizer on the last one
-            one_step = pipeline_step if run.pipelined else train_step
-            step_loss, grad_norm, verdict = one_step(
+            step_loss, grad_norm, verdict = train_step(
                 run, timer, faults, batch_start=batch_start, want_grad_norm=log_due, signum=sentinel.signum
             )
             # 2b. all ranks agree on a non-finite loss anywhere and on a stop signal: one host read of the
@@ -185,6 +184,9 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
     )
 
 
+StepResult = tuple[torch.Tensor, torch.Tensor | None, Agreement]
+
+
 def train_step(
     run: Run,
     timer: PhaseTimer,
@@ -193,11 +195,14 @@ def train_step(
     batch_start: int,
     want_grad_norm: bool,
     signum: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, Agreement]:
+) -> StepResult:
     """One optimizer step: forward and backward on each micro batch, DeepSpeed stepping on the
     last. Returns the summed loss and the gradient norm (every step where the loop clips at stage 0;
     at other stage-0 runs when asked; else None), both left on the device, and the ranks' agreement
-    on a non-finite loss or a stop signal (`signum`), started after the last forward."""
+    on a non-finite loss or a stop signal (`signum`), started after the last forward. A pipeline's
+    step is `pipeline_step`'s."""
+    if run.pipelined:
+        return pipeline_step(run, timer, faults, batch_start, want_grad_norm, signum)
     engine, dev, cfg = run.engine, run.engine.device, run.cfg
     grad_norm = None
     step_loss = torch.zeros((), device=dev)
@@ -230,14 +235,8 @@ def train_step(
 
 
 def pipeline_step(
-    run: Run,
-    timer: PhaseTimer,
-    faults: Faults,
-    *,
-    batch_start: int,
-    want_grad_norm: bool,
-    signum: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, Agreement]:
+    run: Run, timer: PhaseTimer, faults: Faults, batch_start: int, want_grad_norm: bool, signum: int | None
+) -> StepResult:
     """One optimizer step through DeepSpeed's pipeline engine, which runs the micro-batches itself
     (`train_batch`: its 1F1B schedule over the stages, the reductions, the optimizer step). Returns
     what `train_step` does; the agreement starts after the step, whose loss only the engine knows."""
