@@ -55,6 +55,10 @@ Under a layout of tensor (t) x pipeline (p) x data-parallel (d) ranks (`parallel
 - step time: the slowest stage's compute and model-parallel communication (neither AutoTP nor the
   pipeline engine overlaps them), stretched by the bubble (p - 1) / (m + p - 1) of the pipeline's
   time, then ZeRO's exposed communication and the optimizer as above.
+On a CPU whose node runs more ranks than it has cores (`Rates.cores_per_node`), the ranks share the
+cores: a rank computes at cores/ranks of its one-core speed while all compute, and the time one
+spends idle (the bubble, a wait on a neighbour) goes to the others, so a step takes at least all its
+ranks' work over the cores (`core_share`).
 When no ZeRO stage fits the configured layout, `search_layouts` tries the others and lists those
 that fit as the `--set` overrides that give them, fastest first.
 """
@@ -366,6 +370,15 @@ class Rates:
     sources: dict[str, str]
     node_busbw: float | None = None  # all-reduce bus bandwidth within a node; None: busbw
     ranks_per_node: int | None = None  # which groups stay on one node's bus; None: none is told apart
+    cores_per_node: int | None = None  # CPU cores a node's ranks share; None: each rank has its own device
+
+
+def core_share(rates: Rates, ranks: int) -> float:
+    """The part of its own core each of `ranks` ranks on one node gets while all compute: 1 on
+    devices of their own or with a core each, cores / ranks when the ranks outnumber the CPU's cores."""
+    if rates.cores_per_node is None:
+        return 1.0
+    return min(1.0, rates.cores_per_node / max(1, ranks))
 
 
 @dataclass
@@ -384,6 +397,7 @@ class StepTime:
     pp_comm_s: float = 0.0  # the pipeline's sends between stages, and the tied embedding's all-reduce
     bubble_fraction: float = 0.0  # (p - 1) / (m + p - 1)
     bubble_s: float = 0.0  # the pipeline filling and draining
+    core_share: float = 1.0  # each rank's part of a core when the node's ranks outnumber its cores
 
 
 def hardware_flops_per_token(m: ModelConfig) -> float:
@@ -483,7 +497,9 @@ def predict_step(
     A step takes the slowest pipeline stage's time (its compute, tensor parallel's all-reduces and its
     sends, all on the critical path: neither AutoTP nor DeepSpeed's pipeline engine overlaps them),
     stretched by the bubble to (m + p - 1) / m of it, then ZeRO's communication over the data-parallel
-    group less what overlaps compute, then the optimizer step over the rank's partition."""
+    group less what overlaps compute, then the optimizer step over the rank's partition. Ranks that
+    share a CPU's cores (`core_share` below 1) take at least their mean work over their share of a
+    core: the bubble's idle time then goes to the other ranks."""
     layout = layout_of(cfg, world)
     b = cfg.batch
     m_batches = b.gradient_accumulation_steps
@@ -491,6 +507,8 @@ def predict_step(
     times = stage_times(cfg, layout, rates)
     st = max(times, key=lambda t: t.busy)
     bubble = st.busy * (layout.pipeline - 1) / m_batches
+    share = core_share(rates, min(world, rates.ranks_per_node or world))
+    pipeline_s = max(st.busy + bubble, statistics.fmean(t.busy for t in times) / share)
     dp = layout.data
     heaviest = max(shares, key=lambda sh: sh.params)  # ZeRO's traffic and the optimizer grow with the shard
     comm = comm_seconds(
@@ -507,8 +525,8 @@ def predict_step(
     exposed = max(0.0, comm - window)
     partition = heaviest.params if stage == 0 else heaviest.params / dp
     per_param = rates.host_optimizer_s_per_param if offload_optimizer else rates.optimizer_s_per_param
-    optimizer = partition * per_param
-    step = st.busy + bubble + exposed + optimizer
+    optimizer = partition * per_param / share  # every rank steps at once
+    step = pipeline_s + exposed + optimizer
     tokens = b.micro_batch_size * m_batches * cfg.model.block_size  # per data-parallel replica
     return StepTime(
         stage=stage,
@@ -525,6 +543,7 @@ def predict_step(
         pp_comm_s=st.pp_comm,
         bubble_fraction=bubble_fraction(layout, m_batches),
         bubble_s=bubble,
+        core_share=share,
     )
 
 
@@ -594,6 +613,7 @@ def resolve_rates(
         sources=src,
         node_busbw=node_busbw,
         ranks_per_node=ranks_per_node,
+        cores_per_node=(os.cpu_count() or 1) if kind == "cpu" else None,
     )
     src["mfu"] = src["optimizer"] = "assumed"
     mfus = [_calibrate(rates, run_dir) for run_dir in from_runs or []]  # and each the optimizer where it ran
@@ -670,9 +690,11 @@ def _calibrate(rates: Rates, run_dir: Path) -> float:
     slowest = max(range(len(shares)), key=lambda i: shares[i].flops_per_token)
     st = stage_times(run, layout, rates)[slowest]
     stretch = 1 + (layout.pipeline - 1) / b.gradient_accumulation_steps
-    compute = max((fwd_bwd - exposed) / stretch - st.tp_comm - st.pp_comm, 1e-9)
+    # A run whose ranks outnumbered the cores computed at its share of a core: take that out too.
+    share = core_share(rates, min(layout.world, rates.ranks_per_node or layout.world))
+    compute = max((fwd_bwd - exposed) * share / stretch - st.tp_comm - st.pp_comm, 1e-9)
     tokens = b.micro_batch_size * b.gradient_accumulation_steps * m.block_size
-    per_param = optimizer / (heaviest.params if z.stage == 0 else heaviest.params / layout.data)
+    per_param = optimizer * share / (heaviest.params if z.stage == 0 else heaviest.params / layout.data)
     if z.offload_optimizer:
         rates.host_optimizer_s_per_param = per_param
     else:
@@ -971,6 +993,13 @@ def render_times(cfg: RunConfig, world: int, rates: Rates) -> list[str]:
         "Seconds per optimizer step on the slowest pipeline stage; comm: ZeRO's over the data-parallel group; "
         "exposed: the part of it compute does not hide."
     )
+    if times and times[0].core_share < 1:
+        ranks = min(world, rates.ranks_per_node or world)
+        lines.append(
+            f"cores: {ranks} ranks share {rates.cores_per_node} CPU cores, {times[0].core_share:.2g} of a core each "
+            "while all compute; a step takes at least the ranks' mean work over that share (the bubble's idle "
+            "time goes to the other ranks), and the optimizer steps on every rank at once."
+        )
     x = b.micro_batch_size * m.block_size * m.n_embd
     shares = stage_shares(cfg, layout)
     if layout.tensor > 1:
