@@ -82,7 +82,9 @@ def test_memory_per_rank_of_tp2_pp2_by_hand():
         2 * (2 * per_block + embedded),
         1 * (2 * per_block + logits),
     ]  # 1F1B: 2 in flight on stage 0
-    working = [2 * 2 * first.params, 2 * 2 * last.params]  # two reduce buckets of the rank's gradients
+    # Two reduce buckets (overlap_comm) of 2-byte gradients, each reduce_bucket_size elements whatever the
+    # stage's parameters: DeepSpeed allocates them at that size (the gradients fill the first Ψ elements).
+    working = [2 * 2 * cfg.zero.reduce_bucket_size] * 2
     totals = [s + a + w for s, a, w in zip(states, activations, working, strict=True)]
     assert totals[0] > totals[1]
     row = next(p for p in plan_stages(cfg, 8, device_gb=1.0) if p.stage == 1)
