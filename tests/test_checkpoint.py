@@ -80,9 +80,11 @@ def test_nan_steps_are_skipped_then_rolled_back(two_ranks):
     # Stage 0 in fp32 applies even a NaN update, so the run rolls back at once (to step 2) ...
     z0, z2 = res["nan_z0"], res["nan_z2"]
     assert z0["rollbacks"] == [2] and z0["skipped_steps"] == []
-    # ... and continues exactly as the ZeRO-2 run that skipped the update: the rollback restored
-    # the weights, the optimizer and the data position of step 2.
-    assert [z0["losses"][str(s)] for s in range(1, 5)] == [z2["losses"][str(s)] for s in range(1, 5)]
+    # ... and continues as the ZeRO-2 run that skipped the update: the rollback restored the weights,
+    # the optimizer and the data position of step 2. (To the last bits: stage 0 all-reduces the
+    # gradients where ZeRO-2 reduce-scatters them, the same sums in another order.)
+    z0_losses = [z0["losses"][str(s)] for s in range(1, 5)]
+    assert z0_losses == pytest.approx([z2["losses"][str(s)] for s in range(1, 5)], abs=1e-6, rel=0)
     stdout = res["_stdout"]
     assert "step 3: non-finite loss, update skipped (1 in a row, rollback at 2)" in stdout
     assert "rolling back to" in stdout and "skipped the batch at sample 24" in stdout
