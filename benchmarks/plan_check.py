@@ -84,6 +84,14 @@ def measured_step_s(run: Path) -> float:
     return statistics.median(float(r["step_time_s"] or 0.0) for r in rows[1:])
 
 
+def report(lines: list[str], path: Path) -> None:
+    """Print the table, and write it to `path`."""
+    text = "\n".join(lines)
+    print(text)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=2)
@@ -133,11 +141,7 @@ def main() -> None:
         lines.append(f"| {variant[0]} | {t.offload}{mark} | {t.step_s:.3f} | {m:.3f} | {t.step_s / m:.2f} |")
     worst = max(abs(t.step_s / m - 1) for v, t, m in rows if runs[v] not in calibration)
     lines += ["", f"largest difference outside the calibration runs: {100 * worst:.0f}% (goal: within 30%)"]
-    text = "\n".join(lines)
-    print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plan_check.md").write_text(text + "\n")
+    report(lines, Path(args.out) / "plan_check.md")
 
 
 if __name__ == "__main__":
