@@ -98,7 +98,8 @@ def two_ranks(char_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> t
 def four_ranks(char_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("par4")
     jobs = [
-        *resumed("tp2dp2", "tp2dp2", [*TWO_DP, TP2]),
+        # ZeRO-2 across the two data-parallel ranks: each tensor rank's gradient shards reduce-scattered
+        *resumed("tp2dp2", "tp2dp2", [*TWO_DP, TP2, "zero.stage=2"]),
         *resumed("pp2dp2", "pp2dp2", [*TWO_DP, PP2]),
     ]
     return torchrun(4, 29563, char_dataset, out, jobs, timeout=1800), out
