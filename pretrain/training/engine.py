@@ -227,9 +227,10 @@ def tensor_parallel_groups(cfg: RunConfig) -> Any:
     return groups
 
 
-def data_parallel_rank(cfg: RunConfig, dist: Dist, engine: Any) -> int:
-    """This rank's place in its data-parallel group: ranks are laid out pipeline-major, then data,
-    then tensor (DeepSpeed's PipeModelDataParallelTopology, and AutoTP's data x tensor mesh), so the
+def data_parallel_rank(cfg: RunConfig, dist: Dist, engine: Any) -> tuple[int, int]:
+    """This rank's place in its data-parallel group, and the group's size (batch.data_parallel_size,
+    checked against DeepSpeed's groups): ranks are laid out pipeline-major, then data, then tensor
+    (DeepSpeed's PipeModelDataParallelTopology, and AutoTP's data x tensor mesh), so the
     tensor-parallel peers are neighbours, on one node."""
     par, dp = cfg.parallel, cfg.batch.data_parallel_size
     assert dp is not None
@@ -243,7 +244,7 @@ def data_parallel_rank(cfg: RunConfig, dist: Dist, engine: Any) -> int:
             f"rank {dist.rank}: DeepSpeed's data-parallel rank {ours} of {engine.dp_world_size} is not "
             f"the layout's {rank} of {dp} (tensor {par.tensor} x pipeline {par.pipeline})"
         )
-    return rank
+    return rank, dp
 
 
 def check_precision(cfg: RunConfig) -> None:
@@ -274,12 +275,9 @@ def initialize(cfg: RunConfig, model: Any, ds_config: dict[str, Any]) -> Any:
         # The pipeline engine takes its groups from the stage's topology; AutoTP's config path
         # would build a data x tensor mesh of its own over them.
         ds_config = {k: v for k, v in ds_config.items() if k != "tensor_parallel"}
-        decayed = getattr(model, "decayed_names", None)
-    else:
-        decayed = None  # DeepSpeed carries the groups through AutoTP's swap of the layers
     engine, _, _, _ = deepspeed.initialize(
         model=model,
-        model_parameters=param_groups(model, cfg.optimizer.weight_decay, decayed),
+        model_parameters=param_groups(model, cfg.optimizer.weight_decay),
         config=ds_config,
         mpu=tensor_parallel_groups(cfg) if cfg.parallel.tensor > 1 and not pipelined else None,
     )

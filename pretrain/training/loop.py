@@ -316,10 +316,9 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
         )
     engine = ds_engine.initialize(cfg, ds_engine.build_model(cfg, ds_config), ds_config)
     b = cfg.batch
-    dp_size = dist.world_size // cfg.parallel.model_parallel  # = batch.data_parallel_size
     # The ranks of one tensor-parallel group, and of one pipeline, read the same batches: the
     # data-parallel group's, which is DeepSpeed's (checked against the engine's groups).
-    dp_rank = ds_engine.data_parallel_rank(cfg, dist, engine)
+    dp_rank, dp_size = ds_engine.data_parallel_rank(cfg, dist, engine)
     # Weights come from one seed on every rank; what is random in training (dropout) must differ
     # between data-parallel ranks, or each would drop the same units, and agree within a tensor-
     # parallel group, whose ranks hold the same activations between their sharded layers. A resume

@@ -158,24 +158,23 @@ def init_weights(module: nn.Module, cfg: ModelConfig) -> None:
             nn.init.zeros_(bias)
 
 
-def decayed_names(module: nn.Module) -> set[str]:
-    """The names of the parameters AdamW decays: the weights of Linear layers, not biases, norms or
-    embeddings. A tied lm_head's weight is wte's, an embedding, so it is not decayed; an untied one is."""
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW's decay / no-decay groups of `module`'s parameters (each shared tensor once): decay the
+    weights of the projections, not biases, norms or embeddings. A tied lm_head's weight is wte's, an
+    embedding, so it is not decayed; an untied one is. A projection is any module with a weight that
+    is not an embedding or a norm, so this holds for the layers AutoTP puts in place of the Linear
+    ones (a pipeline stage is sharded before its optimizer is built)."""
+    kept = (nn.Embedding, nn.LayerNorm, nn.RMSNorm)
     embeddings = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
-    linear = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)} - embeddings
-    return {n for n, p in module.named_parameters() if id(p) in linear}
-
-
-def param_groups(
-    module: nn.Module, weight_decay: float, decayed: set[str] | None = None
-) -> list[dict[str, Any]]:
-    """AdamW's decay / no-decay groups of `module`'s parameters (each shared tensor once);
-    `decayed`: the names to decay, when taken before the module's layers were swapped."""
-    decayed = decayed_names(module) if decayed is None else decayed
-    params = list(module.named_parameters())
+    weights = {
+        id(w) for m in module.modules() if isinstance(w := getattr(m, "weight", None), nn.Parameter)
+        and not isinstance(m, kept)
+    }  # fmt: skip
+    decayed = weights - embeddings
+    params = list(module.parameters())
     return [
-        {"params": [p for n, p in params if n in decayed], "weight_decay": weight_decay, "name": "decay"},
-        {"params": [p for n, p in params if n not in decayed], "weight_decay": 0.0, "name": "no_decay"},
+        {"params": [p for p in params if id(p) in decayed], "weight_decay": weight_decay, "name": "decay"},
+        {"params": [p for p in params if id(p) not in decayed], "weight_decay": 0.0, "name": "no_decay"},
     ]
 
 

@@ -31,7 +31,7 @@ from torch.nn import functional as F
 
 from pretrain.config.ds_render import autotp_layer_specs, pipeline_checkpoint_interval
 from pretrain.config.tree import ModelConfig, RunConfig, required_vocab_size
-from pretrain.training.model import Block, decayed_names, init_seed, init_weights, norm, rope_cache
+from pretrain.training.model import Block, init_seed, init_weights, norm, rope_cache
 
 TIED = "wte"  # the key of the tied embedding / head in the PipelineModule
 
@@ -143,7 +143,6 @@ def build_pipeline(cfg: RunConfig) -> Any:
         activation_checkpoint_func=_checkpoint,
     )
     _init_stage(module, cfg)
-    module.decayed_names = decayed_names(module)  # before AutoTP swaps the Linear layers
     if par.tensor > 1:
         shard_tensor_parallel(module, cfg)
     return module
