@@ -154,7 +154,9 @@ class Faults:
         if self.kill is not None and self.kill == (rank, step):
             self._die(f"kill-{rank}-{step}")
         if self.sigterm is not None and self.sigterm == (rank, step):
-            os.kill(os.getpid(), signal.SIGTERM)
+            # To this thread, so the handler has run when this returns: os.kill to the process lets the
+            # kernel pick any of its threads, and on a loaded machine the flag can come a step late.
+            signal.raise_signal(signal.SIGTERM)
         if self.hang is not None and self.hang == (rank, step):
             self._hang(f"hang-{rank}-{step}")
 
