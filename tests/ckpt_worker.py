@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch.distributed as tdist
+
 from pretrain.config.presets import build
 from pretrain.errors import CheckpointError, DataError
 from pretrain.training import engine
@@ -73,6 +75,10 @@ def main() -> None:
         }
     if dist.is_main:
         (out_dir / f"{jobs_file.stem}.results.json").write_text(json.dumps(results, indent=1))
+    # As the CLI does: a process group left to the interpreter's exit can abort in gloo's destructor
+    # ("terminate called without an active exception"), most often after a job that raised.
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch.distributed as tdist
+
 from pretrain.config.presets import build
 from pretrain.training import engine
 from pretrain.training.loop import train
@@ -70,6 +72,7 @@ def main() -> None:
         }
     if dist.is_main:
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    tdist.destroy_process_group()  # as the CLI does; left to the interpreter's exit, gloo can abort
 
 
 if __name__ == "__main__":
