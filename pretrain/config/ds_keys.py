@@ -29,8 +29,6 @@ MODELED_DEEPSPEED_KEYS = {
     "bf16",
     "fp16",
     "zero_optimization",
-    "steps_per_print",
-    "wall_clock_breakdown",
     "tensorboard",
     "csv_monitor",
     "wandb",
@@ -43,6 +41,8 @@ MODELED_DEEPSPEED_KEYS = {
 # sub-configs it loads). A test checks each is still a string constant in DeepSpeed's sources.
 DEEPSPEED_PASSTHROUGH_KEYS = {
     "scheduler",
+    "steps_per_print",  # the rendered JSON's default is quiet (pretrain logs itself); a JSON's own wins
+    "wall_clock_breakdown",
     "prescale_gradients",
     "gradient_predivide_factor",
     "sparse_gradients",
@@ -100,14 +100,38 @@ ZERO_KEYS = {
     "allgather_bucket_size": "allgather_bucket_size",
 }
 
-# fp16 keys the `precision` section models (loss_scale is always 0, dynamic): DeepSpeed's name -> field.
+# fp16 keys the `precision` section models: DeepSpeed's name -> field.
 FP16_KEYS = {
     "enabled": "fp16",
+    "loss_scale": "loss_scale",
     "initial_scale_power": "initial_scale_power",
     "loss_scale_window": "loss_scale_window",
     "hysteresis": "hysteresis",
     "min_loss_scale": "min_loss_scale",
 }
+
+# Top-level keys that change what is trained: a key DeepSpeed does not know that is close to one of
+# these is an error (DeepSpeed would silently train without it), any other unknown key a warning.
+TRAINING_KEYS = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization",
+    "tensor_parallel", "pipeline", "activation_checkpointing", "communication_data_type",
+    "prescale_gradients", "gradient_predivide_factor",
+}  # fmt: skip
+
+# What DeepSpeed 0.19 uses where a JSON that names them leaves them out.
+ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}  # FusedAdam, CPUAdam
+FP16_DEFAULTS = {"initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+
+
+def zero_defaults(stage: int) -> dict[str, Any]:
+    """DeepSpeedZeroConfig's defaults for the knobs the `zero` section models."""
+    return {
+        "stage": stage, "overlap_comm": stage == 3, "contiguous_gradients": True,
+        "reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
+        "offload_optimizer": False, "offload_param": False,
+    }  # fmt: skip
+
 
 # Modeled sections whose other knobs may pass through in `deepspeed_extra`: section -> modeled keys.
 # tensor_parallel keys the `parallel` section models (partition_config is rendered from the model).
@@ -123,7 +147,7 @@ PARTLY_MODELED = {
     "zero_optimization": set(ZERO_KEYS),
     "tensor_parallel": set(TENSOR_PARALLEL_KEYS) | {"partition_config"},
     "pipeline": set(PIPELINE_KEYS),
-    "fp16": set(FP16_KEYS) | {"loss_scale"},
+    "fp16": set(FP16_KEYS),
     "bf16": {"enabled"},
 }
 

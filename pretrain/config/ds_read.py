@@ -25,16 +25,20 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, create_model
 
 from pretrain.config.ds_keys import (
+    ADAM_DEFAULTS,
     AUTO,
     DEEPSPEED_PASSTHROUGH_KEYS,
+    FP16_DEFAULTS,
     FP16_KEYS,
     MODELED_DEEPSPEED_KEYS,
     MONITORS,
     PIPELINE_KEYS,
     RECORD,
     TENSOR_PARALLEL_KEYS,
+    TRAINING_KEYS,
     ZERO_AUTO,
     ZERO_KEYS,
+    zero_defaults,
 )
 from pretrain.config.tree import RunConfig, deep_merge
 from pretrain.errors import ConfigError, did_you_mean
@@ -174,7 +178,15 @@ class Reading:
     extra: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     origin: dict[tuple[str, str], str] = field(default_factory=dict)
+    defaulted: list[str] = field(default_factory=list)
+
+    def default(self, section: str, key: str, value: Any) -> None:
+        """DeepSpeed's default for section.key, where the JSON left it out (and nothing it set has)."""
+        if key not in self.tree.get(section, {}):
+            self.tree.setdefault(section, {})[key] = field_value(section, key, value)
+            self.defaulted.append(f"{section}.{key}")
 
     def put(self, where: str, section: str, key: str, value: Any, *, replace: bool = False) -> None:
         """Set the tree's section.key from the JSON's `where`. "auto" keeps the tree's value; a value
@@ -226,8 +238,8 @@ _ADAM_PARAMS = {
 }  # fmt: skip
 
 
-# Adam parameters accepted as they are: AdamW either way (type AdamW ignores adam_w_mode; Adam's
-# false is refused), and DeepSpeed's defaults.
+# Adam parameters accepted as they are: adam_w_mode under type AdamW (which ignores it), and
+# DeepSpeed's defaults.
 _ACCEPTED = {"adam_w_mode": (True, False), "bias_correction": (True,), "amsgrad": (False,)}
 
 
@@ -256,19 +268,21 @@ def read_optimizer(r: Reading, value: Any) -> None:
                 r.put(where, "optimizer", "torch_fused", params.get("fused", False))
         elif k == "fused" and params.get("torch_adam") is True:
             continue  # read with torch_adam: torch.optim.AdamW's fused kernel
+        elif k == "bias_correction" and v is False:
+            r.put(where, "optimizer", "bias_correction", False)
+            if "torch_adam" not in params:  # what DeepSpeed builds for it: FusedAdam (or CPUAdam, offloaded)
+                r.put(where, "optimizer", "fused_adam", True)
         elif k == "adam_w_mode" and v is False and kind.lower() == "adam":
-            r.problems.append(
-                f"{where}: false makes DeepSpeed's Adam plain Adam with L2 regularization (the decay added "
-                "to the gradient); pretrain trains AdamW, whose weight decay is decoupled: drop "
-                'adam_w_mode (true is DeepSpeed\'s default) or write "type": "AdamW"'
-            )
+            r.put(where, "optimizer", "adam_w_mode", False)  # Adam with L2 regularization
         elif any(v is ok for ok in _ACCEPTED.get(k, ())):
             continue
         elif k == "max_grad_norm":
-            r.put(where, "optimizer", "grad_clip", v)  # the old FusedAdam's own clipping
+            r.problems.append(
+                f"{where}: DeepSpeed 0.19 refuses the old FusedAdam's own clipping; write "
+                f'"gradient_clipping": {json.dumps(v)} at the top level and drop max_grad_norm'
+            )
         else:
             why = {
-                "bias_correction": ": pretrain's AdamW always corrects the moments' bias",
                 "amsgrad": ": pretrain's AdamW does not use AMSGrad",
                 "fused": ": only with torch_adam true (torch.optim.AdamW's fused kernel)",
             }.get(k, did_you_mean(k, _ADAM_PARAMS))
@@ -368,19 +382,21 @@ def read_scheduler(r: Reading, value: Any) -> None:
     args = {
         k: defaults[k] if v == AUTO and k not in _FROM_TREE else v for k, v in {**defaults, **given}.items()
     }
-    if kind in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR") and args["warmup_type"] not in (
-        "linear",
-        AUTO,
-    ):
-        default = "" if "warmup_type" in given else " (DeepSpeed's default)"
-        r.problems.append(
-            f"scheduler.params.warmup_type: {kind} warms up along a {args['warmup_type']!r} curve{default}, "
-            'but pretrain\'s warmup is linear: write "warmup_type": "linear", or ' + _INSTEAD
-        )
+    if kind in _WARMUPS:
+        _warmup_type(r, kind, args["warmup_type"], given)
+        r.put("scheduler.type", "schedule", "deepspeed_timing", True)
     TRANSLATIONS[kind](r, args)
     if len(r.problems) == before:
         fields = [
-            ("schedule", k) for k in ("max_steps", "warmup_steps", "warmup_start_ratio", "min_lr_ratio")
+            ("schedule", k)
+            for k in (
+                "max_steps",
+                "warmup_steps",
+                "warmup_type",
+                "warmup_start_ratio",
+                "decay",
+                "min_lr_ratio",
+            )
         ]
         became = [
             f"{section}.{key}={_short(r.current(section, key))}"
@@ -394,10 +410,25 @@ def _short(value: Any) -> str:
 
 
 _SHAPES = {
-    "WarmupLR": "linear warmup, then constant",
-    "WarmupCosineLR": "linear warmup, then cosine",
+    "WarmupLR": "warmup, then constant, stepped as DeepSpeed steps it",
+    "WarmupDecayLR": "warmup, then a linear decay to the warmup's start, stepped as DeepSpeed steps it",
+    "WarmupCosineLR": "warmup, then cosine, stepped as DeepSpeed steps it",
     "LRRangeTest": "a linear rise over the whole run",
 }
+_WARMUPS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+
+
+def _warmup_type(r: Reading, kind: str, value: Any, given: dict[str, Any]) -> None:
+    """warmup_type into schedule.warmup_type. DeepSpeed warms up along its log curve unless told
+    "linear", and takes an unknown name for log (with a warning): so does pretrain, with a note."""
+    if value == AUTO:
+        return
+    if value not in ("log", "linear"):
+        r.notes.append(
+            f"scheduler.params.warmup_type: {value!r} is not log or linear; DeepSpeed warms up along log"
+        )
+        value = "log"
+    r.put("scheduler.params.warmup_type", "schedule", "warmup_type", value)
 
 
 def _peak(r: Reading, where: str, lr: Any) -> float | None:
@@ -420,7 +451,7 @@ def _warmup(r: Reading, *, min_lr: Any, peak: float | None, steps: Any, where: s
         r.put("scheduler.params.warmup_num_steps", "schedule", "warmup_steps", max(2, steps))
 
 
-def _warmup_lr(r: Reading, a: dict[str, Any]) -> None:
+def _warmup_lr(r: Reading, a: dict[str, Any]) -> float | None:
     peak = _peak(r, "scheduler.params.warmup_max_lr", a["warmup_max_lr"])
     _warmup(
         r,
@@ -429,20 +460,33 @@ def _warmup_lr(r: Reading, a: dict[str, Any]) -> None:
         steps=a["warmup_num_steps"],
         where="scheduler.params.warmup_min_lr",
     )
-    r.put("scheduler.type", "schedule", "min_lr_ratio", 1.0)  # constant after warmup
+    r.put("scheduler.type", "schedule", "decay", "constant")
+    return peak
 
 
 def _warmup_decay_lr(r: Reading, a: dict[str, Any]) -> None:
-    r.problems.append(
-        "scheduler.params.total_num_steps: WarmupDecayLR decays the LR linearly to 0 at total_num_steps, "
-        "but pretrain's schedule decays along a cosine to schedule.min_lr_ratio: " + _INSTEAD
-    )
+    """WarmupLR's warmup, then lr = min + (max - min) x (total - step) / (total - warmup): a linear
+    decay back to warmup_min_lr at total_num_steps."""
+    peak = _warmup_lr(r, a)
+    r.put("scheduler.type", "schedule", "decay", "linear", replace=True)
+    r.put("scheduler.params.total_num_steps", "schedule", "max_steps", a["total_num_steps"])
+    min_lr = a["warmup_min_lr"]
+    if is_number(min_lr) and peak is not None and min_lr <= peak:
+        r.put("scheduler.params.warmup_min_lr", "schedule", "min_lr_ratio", min_lr / peak)
+    elif min_lr == AUTO:  # the decay ends where the warmup starts, whatever resolves it
+        r.put(
+            "scheduler.params.warmup_min_lr",
+            "schedule",
+            "min_lr_ratio",
+            r.current("schedule", "warmup_start_ratio"),
+        )
 
 
 def _warmup_cosine_lr(r: Reading, a: dict[str, Any]) -> None:
     r.put("scheduler.params.total_num_steps", "schedule", "max_steps", a["total_num_steps"])
     r.put("scheduler.params.warmup_min_ratio", "schedule", "warmup_start_ratio", a["warmup_min_ratio"])
     r.put("scheduler.params.cos_min_ratio", "schedule", "min_lr_ratio", a["cos_min_ratio"])
+    r.put("scheduler.type", "schedule", "decay", "cosine")
     _warmup(r, min_lr=None, peak=None, steps=a["warmup_num_steps"], where="")
 
 
@@ -483,6 +527,7 @@ def _lr_range_test(r: Reading, a: dict[str, Any]) -> None:
     r.put("scheduler.type", "schedule", "warmup_steps", steps - 1)
     r.put("scheduler.type", "schedule", "warmup_start_ratio", 1 / growth)
     r.put("scheduler.type", "schedule", "min_lr_ratio", 1.0)
+    r.put("scheduler.type", "schedule", "decay", "constant")
 
 
 TRANSLATIONS = {
@@ -713,8 +758,11 @@ def _read_key(r: Reading, key: str, value: Any) -> None:
         r.put(key, "batch", _BATCH_KEYS[key], value)
     elif key == "gradient_clipping":
         r.put(key, "optimizer", "grad_clip", value)
-    elif key in (RECORD, "scheduler", "steps_per_print", "wall_clock_breakdown"):
-        return  # the record: by the caller; the scheduler: last; pretrain does its own logging
+    elif key in (RECORD, "scheduler") or key.startswith("_"):
+        return  # the record: by the caller; the scheduler: last; "_comment" and the like: comments
+    elif key in _QUIET:
+        if value != _QUIET[key]:  # DeepSpeed's own timers and prints, as the JSON asks
+            r.extra[key] = value
     elif key == "optimizer":
         read_optimizer(r, value)
     elif key in ("bf16", "bfloat16", "fp16"):
@@ -733,7 +781,17 @@ def _read_key(r: Reading, key: str, value: Any) -> None:
         r.extra[key] = without_auto(value)
     else:
         known = DEEPSPEED_PASSTHROUGH_KEYS | MODELED_DEEPSPEED_KEYS
-        r.problems.append(f"'{key}' is not a DeepSpeed config key{did_you_mean(key, known)}")
+        near = did_you_mean(key, TRAINING_KEYS)
+        if near:  # DeepSpeed would train without it
+            r.problems.append(f"'{key}' is not a DeepSpeed config key{near}")
+        else:
+            r.warnings.append(
+                f"'{key}' is not a DeepSpeed config key{did_you_mean(key, known)}; DeepSpeed ignores it, and so does pretrain"
+            )
+
+
+# What the rendered JSON writes for DeepSpeed's own prints and timers (pretrain logs itself).
+_QUIET: dict[str, Any] = {"steps_per_print": 1_000_000_000, "wall_clock_breakdown": False}
 
 
 def tree_from_deepspeed(
@@ -756,6 +814,9 @@ def tree_from_deepspeed(
     r = Reading(base or {})
     for key, value in ds.items():
         _read_key(r, key, value)
+    foreign = RECORD not in ds
+    if foreign:
+        _deepspeed_defaults(r, ds)
     if "scheduler" in ds:
         read_scheduler(r, ds["scheduler"])
     _resolve_precision(r, ds)
@@ -766,13 +827,77 @@ def tree_from_deepspeed(
     if r.problems:
         raise ConfigError(r.problems, source)
     if os.environ.get("RANK", "0") == "0":
+        for warning in r.warnings:
+            print(f"warning: {source}: {warning}", file=sys.stderr)
         for note in r.notes:
             print(f"note: {source}: {note}", file=sys.stderr)
+        if foreign:
+            print(f"note: {source}: {provenance(r)}", file=sys.stderr)
     tree = r.tree
     if r.extra:
         tree["deepspeed_extra"] = r.extra
     recorded = recorded_run(ds, source) if record else None
     return deep_merge(recorded, tree) if recorded else tree
+
+
+def _deepspeed_defaults(r: Reading, ds: dict[str, Any]) -> None:
+    """What DeepSpeed uses where a JSON written elsewhere leaves a field out: the named optimizer's
+    defaults (and a constant LR without a scheduler), clipping at 1.0, ZeRO-0, bf16 off and fp16's
+    dynamic scale.
+    The preset keeps only what DeepSpeed does not configure (an optimizer the JSON does not name is the
+    training script's: pretrain's)."""
+    opt = ds.get("optimizer")
+    if isinstance(opt, dict) and isinstance(opt.get("params", {}), dict):
+        for k, v in {**ADAM_DEFAULTS, "adam_w_mode": True, "bias_correction": True}.items():
+            if k not in opt.get("params", {}):
+                r.default("optimizer", k, v)
+        if "scheduler" not in ds:  # DeepSpeed's optimizer without a scheduler: its lr throughout
+            r.default("schedule", "warmup_steps", 0)
+            r.default("schedule", "decay", "constant")
+    if "gradient_clipping" not in ds:
+        r.default("optimizer", "grad_clip", 1.0)  # DeepSpeed 0.19's GRADIENT_CLIPPING_DEFAULT
+    if "bf16" not in ds and "bfloat16" not in ds:  # fp32, or fp16 where the JSON turns it on
+        r.default("precision", "bf16", False)
+    zero = _as_dict(ds.get("zero_optimization"))
+    stage = zero.get("stage", 0)
+    for k, v in zero_defaults(stage if stage in (0, 1, 2, 3) else 0).items():
+        old_name = {"offload_optimizer": "cpu_offload", "offload_param": "cpu_offload_param"}.get(k)
+        if k not in zero and old_name not in zero:
+            r.default("zero", k, v)
+    fp16 = _as_dict(ds.get("fp16"))
+    if fp16.get("enabled") is True:
+        for k, v in {**FP16_DEFAULTS, "loss_scale": 0.0}.items():
+            if k not in fp16:
+                r.default("precision", FP16_KEYS[k], v)
+
+
+# The tree's fields a DeepSpeed JSON configures, for the provenance line.
+_DEEPSPEED_FIELDS = {
+    "batch": ("micro_batch_size", "gradient_accumulation_steps"),
+    "optimizer": ("lr", "betas", "eps", "weight_decay", "grad_clip", "adam_w_mode", "bias_correction"),
+    "schedule": ("max_steps", "warmup_steps", "warmup_type", "warmup_start_ratio", "decay", "min_lr_ratio"),
+    "precision": ("bf16", "fp16", "loss_scale"),
+    "zero": ("stage", "offload_optimizer", "offload_param", "overlap_comm", "reduce_bucket_size"),
+}
+
+
+def provenance(r: Reading) -> str:
+    """One line: which of the fields DeepSpeed configures came from the JSON, which from DeepSpeed's
+    defaults, which from the preset (or config file, or overrides)."""
+    from_json: list[str] = []
+    from_base: list[str] = []
+    for section, keys in _DEEPSPEED_FIELDS.items():
+        for key in keys:
+            name = f"{section}.{key}"
+            if name in r.defaulted:
+                continue
+            (from_json if key in r.tree.get(section, {}) else from_base).append(name)
+    parts = [
+        f"from the JSON: {', '.join(from_json) or 'nothing'}",
+        f"from DeepSpeed's defaults: {', '.join(r.defaulted) or 'nothing'}",
+        f"from the preset (and any config file or override): {', '.join(from_base) or 'nothing'}",
+    ]
+    return "; ".join(parts)
 
 
 _BATCH_KEYS = {
@@ -837,12 +962,6 @@ def _read_precision(r: Reading, key: str, value: Any) -> None:
             r.put(where, "precision", name, v)
         elif name == "fp16" and k in FP16_KEYS:
             r.put(where, "precision", FP16_KEYS[k], v)
-        elif name == "fp16" and k == "loss_scale":
-            if is_number(v) and v != 0 and section.get("enabled") is not False:
-                r.problems.append(
-                    f"{where}: a static loss scale ({v}) is not supported: pretrain scales the loss "
-                    "dynamically (loss_scale 0, from 2**initial_scale_power)"
-                )
         elif v != AUTO:
             r.extra.setdefault(name, {})[k] = v
 

@@ -29,6 +29,8 @@ def render_deepspeed(cfg: RunConfig) -> dict[str, Any]:
         "eps": o.eps,
         "weight_decay": o.weight_decay,
     }
+    if not o.bias_correction:
+        params["bias_correction"] = False  # FusedAdam and DeepSpeedCPUAdam take it
     if not z.offload_optimizer:
         params["torch_adam"] = not o.fused_adam
         if not o.fused_adam and o.torch_fused:
@@ -49,12 +51,14 @@ def render_deepspeed(cfg: RunConfig) -> dict[str, Any]:
         "train_batch_size": b.train_batch_size,
         "train_micro_batch_size_per_gpu": b.micro_batch_size,
         "gradient_accumulation_steps": b.gradient_accumulation_steps,
-        "optimizer": {"type": "AdamW", "params": params},
+        "optimizer": {"type": "AdamW", "params": params}
+        if o.adam_w_mode
+        else {"type": "Adam", "params": {**params, "adam_w_mode": False}},
         "gradient_clipping": o.grad_clip,
         "bf16": {"enabled": p.bf16},
         "fp16": {
             "enabled": p.fp16,
-            "loss_scale": 0,
+            "loss_scale": int(p.loss_scale) if p.loss_scale.is_integer() else p.loss_scale,
             "initial_scale_power": p.initial_scale_power,
             "loss_scale_window": p.loss_scale_window,
             "hysteresis": p.hysteresis,

@@ -244,13 +244,15 @@ def build(
     ds = load_file(ds_file) if ds_file else None
     recorded = recorded_run(ds, str(ds_file)) if ds is not None else None
     if ds is not None and preset is None and not config_file and recorded is None:
-        raise ConfigError(
-            [
-                f"{ds_file} was not rendered by pretrain, so it does not say which model to train: pass "
-                f"--preset NAME (one of: {', '.join(PRESETS)}) or --config FILE"
-            ],
-            "DeepSpeed JSON",
+        needs = (
+            f"{ds_file} was not rendered by pretrain, so it does not say which model to train: pass "
+            f"--preset NAME (one of: {', '.join(PRESETS)}) or --config FILE"
         )
+        try:  # the JSON's own problems too, read against the default preset: every problem at once
+            tree_from_deepspeed(ds, str(ds_file), preset_dict("tiny"), world_size=world_size, record=False)
+        except ConfigError as e:
+            raise ConfigError([needs, *e.problems], "DeepSpeed JSON") from None
+        raise ConfigError([needs], "DeepSpeed JSON")
     base = preset_dict(preset or str(file_data.get("preset", "")) or "tiny")
     if recorded is not None and preset is None and not config_file:
         base = deep_merge(preset_dict(recorded["preset"]), recorded)

@@ -365,6 +365,16 @@ class OptimizerConfig(Section):
         description="Decoupled weight decay; never applied to biases, norms or embeddings.",
     )
     grad_clip: float = Field(1.0, ge=0.0, description="Clip the global gradient norm to this; 0 disables.")
+    adam_w_mode: bool = Field(
+        True,
+        description="AdamW (decoupled weight decay). False: Adam with L2 regularization, the decay added to the "
+        "gradient (DeepSpeed's adam_w_mode false).",
+    )
+    bias_correction: bool = Field(
+        True,
+        description="Adam's bias correction of the moments. False (DeepSpeed's bias_correction false, as BERT's "
+        "recipes train) needs DeepSpeed's FusedAdam or CPUAdam: torch.optim.AdamW always corrects.",
+    )
     fused_adam: bool = Field(
         False,
         description="DeepSpeed's FusedAdam kernel (JIT-built, fast on CUDA) instead of torch.optim.AdamW. "
@@ -383,11 +393,30 @@ class ScheduleConfig(Section):
     warmup_start_ratio: float = Field(
         0.01, ge=0.0, le=1.0, description="LR at step 0 as a fraction of the peak."
     )
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine floor as a fraction of the peak.")
+    min_lr_ratio: float = Field(
+        0.1, ge=0.0, le=1.0, description="The LR at the end of the decay as a fraction of the peak."
+    )
+    warmup_type: Literal["linear", "log"] = Field(
+        "linear",
+        description="Warmup curve: linear, or DeepSpeed's log (the fraction log(step + 1) / log(warmup_steps)).",
+    )
+    decay: Literal["cosine", "linear", "constant"] = Field(
+        "cosine",
+        description="After warmup: cosine or linear down to min_lr_ratio at max_steps, or constant at the peak.",
+    )
+    deepspeed_timing: bool = Field(
+        False,
+        description="Step the schedule as DeepSpeed's engine steps its LR schedulers: optimizer step s uses the "
+        "value after s - 1 scheduler steps (step 0 takes the scheduler's start: the warmup start, or 0 for a "
+        "cosine decay). Set when a DeepSpeed JSON's `scheduler` is read, so the curve is DeepSpeed's exactly.",
+    )
 
     def broken_rules(self, context: dict[str, Any]) -> list[str]:
-        if self.warmup_steps >= self.max_steps:
+        # DeepSpeed's schedulers run a warmup longer than the run (it warns); pretrain's own is a mistake
+        if self.warmup_steps >= self.max_steps and self.decay != "constant" and not self.deepspeed_timing:
             return [f"warmup_steps ({self.warmup_steps}) must be below max_steps ({self.max_steps})"]
+        if self.warmup_type == "log" and self.warmup_steps == 1:
+            return ["warmup_steps: a log warmup needs 0 or at least 2 steps (log(1) is 0)"]
         return []
 
 
@@ -527,6 +556,11 @@ class PrecisionConfig(Section):
     loss_scale_window: int = Field(1000, ge=1, description="fp16: clean steps before the scale grows.")
     hysteresis: int = Field(2, ge=1, description="fp16: overflows tolerated before the scale drops.")
     min_loss_scale: float = Field(1.0, gt=0, description="fp16: floor of the dynamic loss scale.")
+    loss_scale: float = Field(
+        0.0,
+        ge=0.0,
+        description="fp16: a static loss scale; 0 scales dynamically (from 2**initial_scale_power).",
+    )
 
     def broken_rules(self, context: dict[str, Any]) -> list[str]:
         return ["bf16 and fp16 cannot both be on"] if self.bf16 and self.fp16 else []
@@ -783,6 +817,13 @@ class RunConfig(Section):
 
     def broken_rules(self, context: dict[str, Any]) -> list[str]:
         problems = parallel_problems(self, context.get("world_size"))
+        if not self.optimizer.bias_correction and not (
+            self.optimizer.fused_adam or self.zero.offload_optimizer
+        ):
+            problems.append(
+                "optimizer.bias_correction false needs DeepSpeed's FusedAdam or CPUAdam (torch.optim.AdamW always "
+                "corrects the moments' bias): set optimizer.fused_adam=true, or drop bias_correction"
+            )
         problems += [f"deepspeed_extra: {p}" for p in unknown_deepspeed_keys(self.deepspeed_extra)]
         for key in sorted(MODELED_DEEPSPEED_KEYS & set(self.deepspeed_extra)):
             sub = self.deepspeed_extra[key]
@@ -928,12 +969,24 @@ def _expanded_size(node: Any, seen: dict[int, int]) -> int:
     return seen[id(node)]
 
 
+def _placeholders(text: str) -> str:
+    """A hint where a JSON holds a template's bare names for values (`"train_batch_size": GB_SIZE`)."""
+    names = sorted(set(re.findall(r":\s*([A-Z][A-Z0-9_]*)\s*[,}\n]", text)) - {"NaN", "Infinity"})
+    if not names:
+        return ""
+    return (
+        f"; it is a template with placeholder values ({', '.join(names)}): write a value for each, as the "
+        "script it came with does before it launches"
+    )
+
+
 def load_file(path: str | Path) -> dict[str, Any]:
     """A config file or a DeepSpeed JSON: a mapping, each key given once, UTF-8 text."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError([f"{p}: {'not a regular file' if p.exists() else 'no such file'}"], "config file")
     kind = "JSON" if p.suffix == ".json" else "YAML"
+    text = ""
     try:
         size = p.stat().st_size
         if size > MAX_CONFIG_BYTES:
@@ -944,6 +997,8 @@ def load_file(path: str | Path) -> dict[str, Any]:
                 "config file",
             )
         text = p.read_text(encoding="utf-8")
+        if p.suffix not in (".yaml", ".yml") and text.lstrip().startswith("{"):
+            kind = "JSON"  # a DeepSpeed JSON by another name (ds_config.conf): YAML reads 1e5 as text
         data = (
             json.loads(text, object_pairs_hook=_unique_pairs)
             if kind == "JSON"
@@ -956,7 +1011,9 @@ def load_file(path: str | Path) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError([f"{p}: unreadable ({e.strerror or e})"], "config file") from None
     except (ValueError, yaml.YAMLError) as e:  # JSONDecodeError is a ValueError
-        raise ConfigError([f"{p}: not valid {kind}: {str(e)[:500]}"], "config file") from None
+        raise ConfigError(
+            [f"{p}: not valid {kind}: {str(e)[:500]}{_placeholders(text)}"], "config file"
+        ) from None
     except RecursionError:
         raise ConfigError([f"{p}: nested too deeply to be a config"], "config file") from None
     if data is None:

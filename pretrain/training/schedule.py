@@ -1,4 +1,12 @@
-"""Learning rate: linear warmup from a small start to the peak, then cosine down to a floor."""
+"""Learning rate: a warmup from a small start to the peak (linear, or DeepSpeed's log curve), then a
+cosine or linear decay to a floor, or a constant peak.
+
+The curves are DeepSpeed's schedulers' (deepspeed/runtime/lr_schedules.py) where a DeepSpeed JSON
+asked for one: WarmupLR is a warmup then constant, WarmupDecayLR a warmup then a linear decay to its
+start, WarmupCosineLR a warmup then a cosine to its floor. With `deepspeed_timing`, steps follow
+DeepSpeed's engine, which applies the scheduler's value and steps it after each optimizer step, so
+optimizer step s trains with the value at the scheduler's iteration s - 1.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +17,19 @@ from pretrain.config.tree import ScheduleConfig
 
 def lr_at(step: int, peak: float, cfg: ScheduleConfig) -> float:
     """LR for optimizer step `step` (0-based)."""
-    floor = cfg.min_lr_ratio * peak
-    if step < cfg.warmup_steps:
-        start = cfg.warmup_start_ratio * peak
-        return start + (peak - start) * step / cfg.warmup_steps
-    if step >= cfg.max_steps:
-        return floor
-    progress = (step - cfg.warmup_steps) / (cfg.max_steps - cfg.warmup_steps)
+    start, floor = cfg.warmup_start_ratio * peak, cfg.min_lr_ratio * peak
+    i = step - 1 if cfg.deepspeed_timing else step  # DeepSpeed's last_batch_iteration
+    if i < 0:  # DeepSpeed's schedulers before their first step
+        return 0.0 if cfg.decay == "cosine" else start
+    if i < cfg.warmup_steps:
+        if cfg.warmup_type == "log":
+            return start + (peak - start) * math.log(i + 1) / math.log(cfg.warmup_steps)
+        return start + (peak - start) * i / cfg.warmup_steps
+    if cfg.decay == "constant":
+        return peak
+    span = max(1, cfg.max_steps - cfg.warmup_steps)
+    if cfg.decay == "linear":
+        return floor + (peak - floor) * max(0.0, (cfg.max_steps - i) / span)
+    # cosine: DeepSpeed's WarmupCosineLR counts its decay from the step after warmup
+    progress = min(1.0, (i + (1 if cfg.deepspeed_timing else 0) - cfg.warmup_steps) / span)
     return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
