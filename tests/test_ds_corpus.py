@@ -48,7 +48,7 @@ REFUSED = {
         "zero_optimization.offload_optimizer.device: NVMe offload",
         "zero_optimization.offload_param.device: NVMe offload",
         "stage3_param_persitence_threshold: unknown key (did you mean 'stage3_param_persistence_threshold'?)",
-        "aio.thread_count: unknown key",
+        "aio.thread_count: unknown key; DeepSpeed 0.19 takes block_size, intra_op_parallelism",
     ],
     # a near miss of a batch key: DeepSpeed would silently train without it
     "fastchat__deepspeed_config_s3.json": [

@@ -669,7 +669,11 @@ def _model_problems(model: type[BaseModel], data: dict[str, Any], where: str) ->
             if at in seen:
                 continue
             if err["type"] == "extra_forbidden":
-                msg = f"unknown key{did_you_mean(loc[-1], _names(_model_at(model, loc[:-1])))}"
+                names = _names(_model_at(model, loc[:-1]))
+                hint = did_you_mean(loc[-1], names)
+                if not hint and names:  # nothing near: what this section does take
+                    hint = f"; DeepSpeed 0.19 takes {', '.join(sorted(names))}: drop it or use one of those"
+                msg = f"unknown key{hint}"
             else:
                 msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
                 if loc:
