@@ -707,3 +707,13 @@ def test_adam_without_bias_correction_is_deepspeeds_fused_adam(tmp_path):
     assert rendered["optimizer"]["params"]["bias_correction"] is False  # DeepSpeedCPUAdam takes it
     with pytest.raises(ConfigError, match="bias_correction false needs"):
         build("tiny", overrides=["optimizer.bias_correction=false"], world_size=1)
+
+
+def test_what_deepspeeds_zero_2_and_3_assert_at_initialize_is_refused_before(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": 4, "gradient_predivide_factor": 8, "prescale_gradients": True}
+    assert loaded(tmp_path, ds, preset="tiny").zero.stage == 0  # as written: DeepSpeed runs it
+    said = problems(tmp_path, {**ds, "zero_optimization": {"stage": 2}}, preset="tiny")
+    assert "gradient_predivide_factor (8): DeepSpeed's ZeRO-2 and 3 refuse" in said
+    assert "prescale_gradients: DeepSpeed's ZeRO-2 and 3 refuse" in said and "reduce_scatter false" in said
+    off = {**ds, "zero_optimization": {"stage": 3, "reduce_scatter": False}}
+    assert loaded(tmp_path, off, preset="tiny").zero.stage == 3

@@ -825,6 +825,7 @@ class RunConfig(Section):
                 "corrects the moments' bias): set optimizer.fused_adam=true, or drop bias_correction"
             )
         problems += [f"deepspeed_extra: {p}" for p in unknown_deepspeed_keys(self.deepspeed_extra)]
+        problems += _reduce_scatter_problems(self)
         for key in sorted(MODELED_DEEPSPEED_KEYS & set(self.deepspeed_extra)):
             sub = self.deepspeed_extra[key]
             if key in PARTLY_MODELED and isinstance(sub, dict) and not set(sub) & PARTLY_MODELED[key]:
@@ -839,6 +840,27 @@ class RunConfig(Section):
 
     def run_dir(self) -> Path:
         return Path(self.logging.run_dir.format(preset=self.preset))
+
+
+def _reduce_scatter_problems(cfg: RunConfig) -> list[str]:
+    """What DeepSpeed 0.19's ZeRO-2 and 3 assert at initialize with reduce_scatter on (the default)."""
+    extra = cfg.deepspeed_extra
+    zero = extra.get("zero_optimization")
+    if cfg.zero.stage < 2 or (isinstance(zero, dict) and zero.get("reduce_scatter") is False):
+        return []
+    fix = f"drop it, train at zero.stage 0 or 1, or set zero_optimization.reduce_scatter false (zero.stage is {cfg.zero.stage})"
+    problems = []
+    factor = extra.get("gradient_predivide_factor", 1.0)
+    if isinstance(factor, int | float) and factor != 1.0:
+        problems.append(
+            f"gradient_predivide_factor ({factor}): DeepSpeed's ZeRO-2 and 3 refuse a factor but 1 when they "
+            f"reduce-scatter gradients: {fix}"
+        )
+    if extra.get("prescale_gradients") is True:
+        problems.append(
+            f"prescale_gradients: DeepSpeed's ZeRO-2 and 3 refuse it when they reduce-scatter gradients: {fix}"
+        )
+    return problems
 
 
 def parallel_problems(cfg: RunConfig, world: int | None) -> list[str]:
