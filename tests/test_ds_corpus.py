@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
+import socket
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -87,12 +88,28 @@ class _DataParallel:
         return self.size
 
 
-def deepspeed_reads(ds: dict[str, Any], world: int, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """DeepSpeedConfig(ds) on `world` data-parallel ranks, as the engine builds it."""
-    from deepspeed.runtime import config as ds_config
+@pytest.fixture(scope="module")
+def one_rank() -> Iterator[None]:
+    """A real single-rank gloo group on loopback, so that DeepSpeedConfig finds its rank as the engine
+    does; the mpu gives the data-parallel size of the launch the config is checked for."""
+    import deepspeed
+    import torch.distributed as tdist
 
-    monkeypatch.setattr(ds_config.dist, "get_rank", lambda: 0)  # no process group: rank 0 of `world`
-    return ds_config.DeepSpeedConfig(json.loads(json.dumps(ds)), mpu=_DataParallel(world))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    deepspeed.init_distributed(
+        dist_backend="gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, verbose=False
+    )
+    yield
+    tdist.destroy_process_group()
+
+
+def deepspeed_reads(ds: dict[str, Any], world: int) -> Any:
+    """DeepSpeedConfig(ds) on `world` data-parallel ranks, as the engine builds it."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    return DeepSpeedConfig(json.loads(json.dumps(ds)), mpu=_DataParallel(world))
 
 
 def filled(original: Any, rendered: Any) -> Any:
@@ -155,7 +172,7 @@ def trained(c: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("name", LOADS)
-def test_a_public_config_trains_what_deepspeed_would_train(name, monkeypatch, capsys):
+def test_a_public_config_trains_what_deepspeed_would_train(name, one_rank, capsys):
     world = WORLDS.get(name, WORLD)
     cfg = build_checked(PUBLIC / name, preset=PRESET, world_size=world)
     assert "from DeepSpeed's defaults:" in capsys.readouterr().err  # the provenance line
@@ -163,8 +180,8 @@ def test_a_public_config_trains_what_deepspeed_would_train(name, monkeypatch, ca
     assert auto_paths(rendered) == []
     raw = json.loads((PUBLIC / name).read_text())
     original = filled(raw, rendered)
-    theirs = trained(deepspeed_reads(original, world, monkeypatch))
-    ours = trained(deepspeed_reads(rendered, world, monkeypatch))
+    theirs = trained(deepspeed_reads(original, world))
+    ours = trained(deepspeed_reads(rendered, world))
     if theirs["optimizer"] is None:  # the JSON leaves the optimizer to the training script: pretrain's
         ours["optimizer"] = None
     assert ours == theirs
@@ -203,7 +220,7 @@ def assert_same_curve(scheduler: dict[str, Any], cfg: Any) -> None:
 
 
 def test_a_template_gets_its_placeholders_named(tmp_path):
-    path = Path(tmp_path / "ds.json")
+    path = tmp_path / "ds.json"
     path.write_text('{"train_batch_size": GB_SIZE, "train_micro_batch_size_per_gpu": 4}')
     with pytest.raises(ConfigError, match="GB_SIZE"):
         build_checked(path, preset=PRESET, world_size=WORLD)

@@ -805,8 +805,10 @@ def tree_from_deepspeed(
     *,
     world_size: int | None = None,
     record: bool = True,
+    quiet: bool = False,
 ) -> dict[str, Any]:
-    """Read a DeepSpeed JSON back into (a partial dict of) the tree.
+    """Read a DeepSpeed JSON back into (a partial dict of) the tree (`quiet`: no notes or warnings
+    on stderr, for a reading done only to find its problems).
 
     Keys the tree models go to their section, "auto" keeping the tree's value (`base`: the tree
     without this JSON); DeepSpeed's optimizer and LR scheduler are translated (read_optimizer, read_scheduler); other
@@ -830,7 +832,7 @@ def tree_from_deepspeed(
             r.tree.setdefault("logging", {})[key] = False
     if r.problems:
         raise ConfigError(r.problems, source)
-    if os.environ.get("RANK", "0") == "0":
+    if not quiet and os.environ.get("RANK", "0") == "0":
         for warning in r.warnings:
             print(f"warning: {source}: {warning}", file=sys.stderr)
         for note in r.notes:

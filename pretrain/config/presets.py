@@ -249,7 +249,9 @@ def build(
             f"--preset NAME (one of: {', '.join(PRESETS)}) or --config FILE"
         )
         try:  # the JSON's own problems too, read against the default preset: every problem at once
-            tree_from_deepspeed(ds, str(ds_file), preset_dict("tiny"), world_size=world_size, record=False)
+            tree_from_deepspeed(
+                ds, str(ds_file), preset_dict("tiny"), world_size=world_size, record=False, quiet=True
+            )
         except ConfigError as e:
             raise ConfigError([needs, *e.problems], "DeepSpeed JSON") from None
         raise ConfigError([needs], "DeepSpeed JSON")
