@@ -12,16 +12,32 @@ use_python() {
     [ -x "$python" ] || die "no interpreter at $python: run ./setup.sh or set PYTHON"
 }
 
-# master, port: rank 0's address (MASTER_ADDR, or the hostfile's first host) and the rendezvous
-# port (MASTER_PORT, default 29500). Reading the hostfile validates every line of it, always: a
-# MASTER_ADDR in the environment must not skip that check.
+# port_number NAME VALUE: stop unless VALUE is a TCP port, 1..65535.
+port_number() {
+    if ! [[ $2 =~ ^[0-9]{1,5}$ ]] || ((10#$2 < 1 || 10#$2 > 65535)); then
+        die "$1='$2' is not a port number (1..65535)"
+    fi
+}
+
+# master, port: rank 0's address (MASTER_ADDR, or the first host of HOSTFILE that the launch uses:
+# `use_master HOSTFILE [--include S | --exclude S]`) and the rendezvous port (MASTER_PORT, default
+# 29500). Reading the hostfile validates every line of it, always: a MASTER_ADDR in the environment
+# must not skip that check.
 use_master() {
     local first
-    first=$("$python" -m pretrain hostfile "$1" --first) || exit 2
+    first=$("$python" -m pretrain hostfile "$@" --first) || exit 2
     master=${MASTER_ADDR:-$first}
     port=${MASTER_PORT:-29500}
     [[ $master =~ ^[A-Za-z0-9._-]+$ ]] || die "MASTER_ADDR='$master' is not a host name or address"
-    [[ $port =~ ^[0-9]+$ ]] || die "MASTER_PORT='$port' is not a port number"
+    port_number MASTER_PORT "$port"
+}
+
+# Before anything starts: every host the launcher ssh'es to answers, as DeepSpeed's launcher runs
+# ssh, and rank 0 can listen on the master port where that is this machine (`pretrain launch-check
+# HOSTFILE --launcher L [...]`). Each problem is one line naming the host or the port and the fix.
+check_launch() {
+    "$python" -m pretrain launch-check "$@" --master-addr "$master" --master-port "$port" --script "$script" ||
+        exit 2
 }
 
 # Export the config's `launch` section (`pretrain launch-env` of the train arguments) here, and

@@ -35,6 +35,7 @@ for key in "${launch_keys[@]}"; do
     exports+=(-x "$key")
     if [ "$key" = GLOO_SOCKET_IFNAME ]; then ifname=$GLOO_SOCKET_IFNAME; fi
 done
+check_launch "$hostfile" --launcher mpirun  # ssh to every other host; the port, if rank 0 is here
 mca=()
 if [ -n "$ifname" ] && [[ $ifname != ^* && $ifname != =* ]]; then
     mca=(--mca btl_tcp_if_include "$ifname" --mca oob_tcp_if_include "$ifname")

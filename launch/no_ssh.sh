@@ -10,6 +10,8 @@
 #   MASTER_PORT  rendezvous port (default 29500)
 #   PYTHON       the venv's interpreter (default: .venv/bin/python of this checkout)
 # The config's `launch` section (NCCL_SOCKET_IFNAME, NCCL_DEBUG, ...) is exported to the ranks.
+# Before DeepSpeed starts, node 0 tries the master port if it is this machine's, and every other node
+# checks that the master's name resolves (pretrain launch-check).
 set -euo pipefail
 # shellcheck source=common.sh
 . "$(dirname "$0")/common.sh" "$0" 2 "HOSTFILE NODE_RANK [pretrain train args...]" "$@"
@@ -23,5 +25,6 @@ use_master "$hostfile"
 
 # DeepSpeed reads .deepspeed_env only when it launches over ssh; export the variables here.
 export_launch_env "$@"
+check_launch "$hostfile" --launcher no-ssh --node-rank "$node_rank"
 exec "$python" -m deepspeed.launcher.runner --hostfile "$hostfile" --no_ssh --node_rank "$node_rank" \
     --master_addr "$master" --master_port "$port" pretrain/main.py "$@"

@@ -4,9 +4,11 @@
 #   launch/pdsh.sh HOSTFILE [pretrain train args...]
 #   launch/pdsh.sh hostfiles/a100x16 --ds ds_configs/zero2_offload.json --preset gpt-6.7b
 #
-# Needs passwordless ssh from this host to every host (check first: pretrain preflight --hostfile
-# HOSTFILE ...), and the repository and its venv at the same paths everywhere.
-#   MASTER_ADDR  rank 0's address as every host reaches it (default: the hostfile's first host)
+# Needs passwordless ssh from this host to every host, and the repository and its venv at the same
+# paths everywhere. Before DeepSpeed starts, it ssh'es to every host as DeepSpeed will and tries the
+# master port if rank 0 is this machine (pretrain launch-check); `pretrain preflight --hostfile
+# HOSTFILE ...` checks the rest.
+#   MASTER_ADDR  rank 0's address as every host reaches it (default: the first host INCLUDE/EXCLUDE leave)
 #   MASTER_PORT  rendezvous port (default 29500)
 #   INCLUDE      deepspeed --include, e.g. "node-01@node-02:0,1" (hosts, and slots on a host)
 #   EXCLUDE      deepspeed --exclude, same syntax
@@ -19,7 +21,6 @@ set -euo pipefail
 . "$(dirname "$0")/common.sh" "$0" 1 "HOSTFILE [pretrain train args...]" "$@"
 hostfile=$1
 shift
-use_master "$hostfile"  # validates every line (host names included) before any of them reaches pdsh
 filters=()
 for name in INCLUDE EXCLUDE; do
     value=${!name:-}
@@ -27,10 +28,13 @@ for name in INCLUDE EXCLUDE; do
     [[ $value =~ ^[A-Za-z0-9._:,@-]+$ ]] || die "$name='$value': host names, ':' slots, ',' and '@' only"
     filters+=("--${name,,}" "$value")
 done
-ssh_port=()
+# Validates every line (host names included) before any of them reaches pdsh; rank 0 is on the first
+# host the filters leave.
+use_master "$hostfile" "${filters[@]}"
+ssh_port=() check_ssh_port=()
 if [ -n "${SSH_PORT:-}" ]; then
-    [[ $SSH_PORT =~ ^[0-9]+$ ]] || die "SSH_PORT='$SSH_PORT' is not a port number"
-    ssh_port=(--ssh_port "$SSH_PORT")
+    port_number SSH_PORT "$SSH_PORT"
+    ssh_port=(--ssh_port "$SSH_PORT") check_ssh_port=(--ssh-port "$SSH_PORT")
 fi
 
 env_file=$(mktemp "${TMPDIR:-/tmp}/pretrain-env.XXXXXX")
@@ -38,5 +42,6 @@ trap 'rm -f "$env_file"' EXIT
 "$python" -m pretrain launch-env "$@" > "$env_file"
 # DeepSpeed reads this file instead of ./.deepspeed_env or ~/.deepspeed_env, which may be stale.
 export DS_ENV_FILE=$env_file
+check_launch "$hostfile" --launcher deepspeed "${filters[@]}" "${check_ssh_port[@]}"
 "$python" -m deepspeed.launcher.runner --hostfile "$hostfile" "${filters[@]}" "${ssh_port[@]}" \
     --master_addr "$master" --master_port "$port" pretrain/main.py "$@"

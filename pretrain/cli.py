@@ -24,11 +24,14 @@ from typing import TYPE_CHECKING, Any
 from pretrain.cluster.launch import (
     env_file_text,
     format_hostfile,
+    hostfile_target,
     launch_environment,
     launcher_world_size,
     read_hostfile,
     world_size,
 )
+from pretrain.cluster.reach import LAUNCHERS, Launch, filter_hosts, is_this_machine
+from pretrain.cluster.reach import check as check_launch
 from pretrain.cluster.supervise import restart_count, supervise
 from pretrain.config.ds_keys import RECORD
 from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
@@ -38,6 +41,7 @@ from pretrain.errors import ConfigError, DataError, OutputError, PretrainError
 from pretrain.files import make_dir, not_ours, read_bytes, write_atomic
 
 if TYPE_CHECKING:
+    from pretrain.cluster.plan import Rates, Target
     from pretrain.training.engine import Dist
 
 
@@ -174,12 +178,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--world-size", type=COUNT, help="Data-parallel world size (default 1, or the hostfile's)."
     )
-    p.add_argument("--hostfile", help="Take the world size and ranks per node from this hostfile.")
     p.add_argument(
-        "--device-gb", type=POSITIVE, help="Memory of one rank's device in GB (default: this machine's)."
+        "--hostfile",
+        help="Take the world size and ranks per node from this hostfile, and the GPU and host memory from its "
+        "'# pretrain: device=A100-80GB host-gb=1024' line.",
     )
     p.add_argument(
-        "--host-gb", type=POSITIVE, help="Host memory of one node in GB (default: this machine's)."
+        "--device-gb",
+        type=POSITIVE,
+        help="Memory of one rank's device in GB (default: the device's name, the hostfile's line, else this "
+        "machine's).",
+    )
+    p.add_argument(
+        "--host-gb",
+        type=POSITIVE,
+        help="Host memory of one node in GB (default: the hostfile's line, else this machine's when it is the "
+        "target).",
     )
     p.add_argument(
         "--gpus-per-node", type=COUNT, help="Ranks per node, for DeepSpeed's estimates (default: min(N, 8))."
@@ -266,9 +280,46 @@ def _add_launch_parsers(sub: Any) -> None:
     _add_config_args(p)
     p.add_argument("-o", "--output", help="Write to this file instead of stdout.")
 
+    p = sub.add_parser(
+        "launch-check",
+        help="Before a launch (launch/*.sh run it): every host the launcher ssh'es to answers ssh as "
+        "DeepSpeed's launcher runs it, and rank 0 can listen on the master port. One line per problem "
+        "(on stderr), then exit 2.",
+    )
+    p.add_argument("hostfile", metavar="HOSTFILE", help="DeepSpeed hostfile: '<host> slots=<N>' lines.")
+    p.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="deepspeed",
+        help="Who starts the ranks: deepspeed --hostfile (pdsh over ssh to every host, launch/pdsh.sh; "
+        "the default), Open MPI's mpirun (ssh to every other host), deepspeed --no_ssh on every host "
+        "(no ssh), or srun (no ssh).",
+    )
+    p.add_argument(
+        "--node-rank",
+        type=NON_NEGATIVE,
+        default=0,
+        help="With --launcher no-ssh: this host's line in the hostfile, from 0. Node 0 checks the master "
+        "port; the others check that the master's name resolves (its port opens when node 0 starts).",
+    )
+    p.add_argument("--include", default="", help="As deepspeed --include: NAME[:SLOT,...][@NAME...].")
+    p.add_argument("--exclude", default="", help="As deepspeed --exclude.")
+    p.add_argument("--ssh-port", type=PORT, help="ssh port, as deepspeed --ssh_port.")
+    p.add_argument("--master-addr", help="Rank 0's address (default: the first host the launch uses).")
+    p.add_argument("--master-port", type=PORT, default=29500, help="Rendezvous port (default 29500).")
+    p.add_argument(
+        "--script", default="launch-check", help="The name each line starts with (the launch script's)."
+    )
+
     p = sub.add_parser("hostfile", help="Validate a hostfile; print it, its first host or its world size.")
     p.add_argument("path", help="DeepSpeed hostfile.")
-    p.add_argument("--first", action="store_true", help="Print only the first host (the master).")
+    p.add_argument(
+        "--first",
+        action="store_true",
+        help="Print only the first host (the master), of those --include/--exclude leave.",
+    )
+    p.add_argument("--include", default="", help="With --first: as deepspeed --include.")
+    p.add_argument("--exclude", default="", help="With --first: as deepspeed --exclude.")
     p.add_argument("--world-size", action="store_true", help="Print only the total number of slots.")
     p.add_argument("--count", action="store_true", help="Print only the number of hosts.")
 
@@ -578,16 +629,62 @@ def cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
+def plan_target(
+    args: argparse.Namespace,
+    target: dict[str, str | float],
+    where: str,
+    world: int,
+    per_node: int | None,
+    *,
+    remote: bool,
+) -> tuple[Target, str | None]:
+    """What `plan` plans for, and the device named for it: the flags first, then the hostfile's
+    `# pretrain:` line, else this machine, said so when the hostfile's hosts are other machines."""
     from pretrain.cluster.hardware import gpu_memory_gb
-    from pretrain.cluster.plan import (
-        Target,
-        default_device_gb,
-        host_memory_gb,
-        plan_json,
-        render_plan,
-        resolve_rates,
-    )
+    from pretrain.cluster.plan import Target, default_device_gb, host_memory_gb
+
+    device = args.device or (str(target["device"]) if "device" in target else None)
+    named_by = "--device" if args.device else where
+    named = gpu_memory_gb(device) if device and device != "cpu" else None
+    if args.device_gb:
+        device_gb, device_src = args.device_gb, "--device-gb"
+    elif "device-gb" in target:
+        device_gb, device_src = float(target["device-gb"]), f"{where}: device-gb"
+    elif named is not None:
+        device_gb, device_src = named, f"{named_by}: {device}"
+    elif device and device != "cpu":
+        raise ConfigError(
+            [f"{named_by}: {device} does not say its memory (an A100 comes in 40 and 80 GB): name it as "
+             f"{device}-80GB, or pass --device-gb"], "plan",
+        )  # fmt: skip
+    else:
+        device_gb, device_src = default_device_gb(world)
+    if args.host_gb:
+        host_gb: float | None = args.host_gb
+    elif "host-gb" in target:
+        host_gb = float(target["host-gb"])
+    else:
+        host_gb = host_memory_gb() if device is None or device == "cpu" or not remote else None
+    note = ""
+    if device is None and args.peak_tflops is None and (remote or (not args.hostfile and args.device_gb)):
+        said = f"{args.hostfile} does not say what its hosts are" if remote else "no --device names the GPU"
+        note = (
+            f"planning step time for this machine's device, and memory for {device_src}: {said}. Pass --device "
+            "(e.g. --device A100-80GB --host-gb 1024)"
+            + (
+                ", or add a line '# pretrain: device=A100-80GB host-gb=1024' to the hostfile."
+                if remote
+                else "."
+            )
+        )
+    elif device is not None and host_gb is None:
+        note = f"host memory unknown: pass --host-gb, or add host-gb=<GB> to {args.hostfile or 'the hostfile'}'s '# pretrain:' line."
+    return Target(world, per_node, device_gb, device_src, host_gb, note), device
+
+
+def plan_inputs(args: argparse.Namespace) -> tuple[RunConfig, Target, Rates, str]:
+    """`plan`'s config, target and rates from its arguments, and where the vocabulary came from."""
+    from pretrain.cluster.plan import resolve_rates
     from pretrain.data.dataset import resolve_vocab, vocab_size  # tiktoken, torch: per command, as above
 
     if args.config_file in PRESETS and not Path(args.config_file).is_file():
@@ -597,6 +694,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ConfigError(["pass the run config either as CONFIG or as --config, not both"], "plan")
         args.config = args.config_file
     world, per_node = args.world_size or 1, args.gpus_per_node
+    target: dict[str, str | float] = {}
+    remote, where = False, ""
     if args.hostfile:
         hosts = read_hostfile(args.hostfile)
         if args.world_size not in (None, world_size(hosts)):
@@ -604,28 +703,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 [f"--world-size {args.world_size}, but {args.hostfile} has {world_size(hosts)} slots"], "plan"
             )
         world, per_node = world_size(hosts), per_node or max(hosts.values())
+        target, where = hostfile_target(args.hostfile)
+        remote = not all(is_this_machine(h) for h in hosts)
     cfg = _config(args, world)
     vocab, vocab_src = vocab_size(cfg)
     cfg = resolve_vocab(cfg, vocab)
-    named = gpu_memory_gb(args.device) if args.device and args.device != "cpu" else None
-    if args.device_gb:
-        device_gb, device_src = args.device_gb, "--device-gb"
-    elif named is not None:
-        device_gb, device_src = named, f"--device {args.device}"
-    else:
-        device_gb, device_src = default_device_gb(world)
-    to = Target(world, per_node, device_gb, device_src, args.host_gb or host_memory_gb())
+    to, device = plan_target(args, target, where, world, per_node, remote=remote)
     rates = resolve_rates(
         cfg,
         world,
         per_node or min(world, 8),
-        device=args.device,
+        device=device,
+        device_src=where if device and not args.device else "",
         peak_tflops=args.peak_tflops,
         mfu=args.mfu,
         busbw_gbs=args.busbw,
         node_busbw_gbs=args.node_busbw,
         from_runs=[Path(r) for r in args.from_run or []],
     )
+    return cfg, to, rates, vocab_src
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pretrain.cluster.plan import plan_json, render_plan
+
+    cfg, to, rates, vocab_src = plan_inputs(args)
     if args.json:
         print(json.dumps(plan_json(cfg, to, rates, search=args.layouts), indent=2))
         return 0
@@ -707,10 +809,31 @@ def cmd_launch_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch_check(args: argparse.Namespace) -> int:
+    launch = Launch(
+        hostfile=args.hostfile,
+        hosts=read_hostfile(args.hostfile),
+        launcher=args.launcher,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        ssh_port=args.ssh_port,
+        include=args.include,
+        exclude=args.exclude,
+        node_rank=args.node_rank,
+    )
+    problems, notes = check_launch(launch)
+    for line in problems or ([f"checked: {', '.join(notes)}"] if notes else []):
+        print(f"{args.script}: {line}", file=sys.stderr)
+    return 2 if problems else 0
+
+
 def cmd_hostfile(args: argparse.Namespace) -> int:
     hosts = read_hostfile(args.path)
     if args.first:
-        print(next(iter(hosts)))
+        active, problems = filter_hosts(hosts, args.include, args.exclude)
+        if problems:
+            raise ConfigError(problems, "INCLUDE/EXCLUDE")
+        print(active[0])
     elif args.world_size:
         print(world_size(hosts))
     elif args.count:
@@ -732,6 +855,7 @@ COMMANDS = {
     "sample": cmd_sample,
     "preflight": cmd_preflight,
     "launch-env": cmd_launch_env,
+    "launch-check": cmd_launch_check,
     "hostfile": cmd_hostfile,
     "plan": cmd_plan,
     "plot": cmd_plot,

@@ -74,6 +74,13 @@ class CheckpointError(PretrainError, RuntimeError):
         self.collective = collective
 
 
+class LaunchError(PretrainError):
+    """A launch problem one rank ran into (the rendezvous port taken, rank 0 out of reach): that rank
+    prints it, the others may never get that far."""
+
+    collective = False
+
+
 class OutputError(PretrainError):
     """An output path that would overwrite or delete what the command did not write, or a run dir
     another run is using."""

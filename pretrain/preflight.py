@@ -22,6 +22,15 @@ from typing import Any
 
 from pretrain.cluster import probe
 from pretrain.cluster.launch import launch_environment
+from pretrain.cluster.reach import (
+    LOCAL_HOSTS,
+    deepspeed_ssh_check,
+    last_line,
+    launch_ssh_hosts,
+    passwordless_fix,
+    run,
+    ssh_argv,
+)
 from pretrain.config.ds_render import render_deepspeed
 from pretrain.config.tree import RunConfig
 from pretrain.data.dataset import MANIFEST, SPLITS, dataset_dirs, resolve_vocab
@@ -29,11 +38,7 @@ from pretrain.data.shards import HEADER_SIZE
 from pretrain.errors import CheckpointError
 from pretrain.files import format_bytes
 
-LOCAL_HOSTS = {"localhost", "127.0.0.1"}
 VERSION_KEYS = ("python", "torch", "deepspeed", "cuda", "nccl")
-# DeepSpeed's ssh check passes PasswordAuthentication=no; BatchMode also refuses every other prompt
-# (an unknown host key, a key's passphrase), which pdsh could not answer either.
-SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "PasswordAuthentication=no", "-o", "ConnectTimeout=10")
 # What each op is for. Both are built into DeepSpeed together, as setup.sh does: a reinstall of
 # DeepSpeed keeps only the ops it was told to build.
 OP_USES = {
@@ -77,18 +82,6 @@ class Report:
     allreduce: dict[str, Any] | None = None
 
 
-def launch_ssh_hosts(hosts: list[str], no_ssh: bool = False, no_ssh_check: bool = False) -> list[str]:
-    """The hosts DeepSpeed's launcher reaches over ssh for `deepspeed --hostfile H` (pdsh), as
-    deepspeed/launcher/runner.py main() does: first `ssh -o PasswordAuthentication=no [-p PORT]
-    FIRST hostname` (not with --no_ssh_check); then, with more than one host, pdsh starts every host's
-    ranks over ssh, localhost included. One host's ranks it starts here, and --no_ssh uses no ssh."""
-    if no_ssh:
-        return []
-    if len(hosts) > 1:
-        return list(hosts)
-    return [] if no_ssh_check else list(hosts[:1])
-
-
 def one_machine(opts: Options) -> bool:
     """A hostfile of this machine alone (`localhost slots=N`): preflight takes it as the one-machine
     launch, without ssh (`deepspeed --num_gpus N` without a hostfile, or launch/no_ssh.sh H 0)."""
@@ -103,19 +96,6 @@ def over_ssh(host: str, opts: Options) -> bool:
     if host in launch_ssh_hosts(list(opts.hosts), opts.no_ssh, opts.no_ssh_check):
         return True
     return host not in LOCAL_HOSTS and host != socket.gethostname()
-
-
-def ssh_argv(host: str, opts: Options, *remote: str) -> list[str]:
-    return ["ssh", *SSH_OPTIONS, *_port(opts), host, *remote]
-
-
-def deepspeed_ssh_check(host: str, opts: Options) -> str:
-    """DeepSpeed's ssh check as its launcher runs it, for the messages (it prints none of ssh's)."""
-    return shlex.join(["ssh", "-o", "PasswordAuthentication=no", *_port(opts), host, "hostname"])
-
-
-def _port(opts: Options) -> list[str]:
-    return ["-p", str(opts.ssh_port)] if opts.ssh_port is not None else []
 
 
 def needed_ops(ds: dict[str, Any]) -> list[str]:
@@ -138,28 +118,11 @@ def run_probe(
     prefix = ["env", *(f"{k}={v}" for k, v in (env or {}).items())] if env else []
     argv = [*prefix, opts.python, "-", mode, json.dumps(args)]
     if over_ssh(host, opts):
-        cmd, cwd = ssh_argv(host, opts, f"cd {shlex.quote(opts.cwd)} && exec {shlex.join(argv)}"), None
+        remote = f"cd {shlex.quote(opts.cwd)} && exec {shlex.join(argv)}"
+        cmd, cwd = ssh_argv(host, opts.ssh_port, remote), None
     else:
         cmd, cwd = argv, opts.cwd
-    return _run(cmd, opts, cwd, Path(probe.__file__).read_text())
-
-
-def _run(
-    cmd: list[str], opts: Options, cwd: str | None = None, stdin: str = ""
-) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(
-            cmd, input=stdin, capture_output=True, text=True, cwd=cwd, timeout=opts.timeout_s
-        )
-    except subprocess.TimeoutExpired as e:
-        return subprocess.CompletedProcess(cmd, 124, "", f"no answer in {opts.timeout_s:.0f} s ({e.cmd[0]})")
-    except OSError as e:
-        return subprocess.CompletedProcess(cmd, 127, "", str(e))
-
-
-def _last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "no output"
+    return run(cmd, opts.timeout_s, cwd, Path(probe.__file__).read_text())
 
 
 def inspect_hosts(cfg: RunConfig, opts: Options, report: Report) -> dict[str, dict[str, Any]]:
@@ -187,7 +150,7 @@ def inspect_hosts(cfg: RunConfig, opts: Options, report: Report) -> dict[str, di
         host: str,
     ) -> tuple[str, subprocess.CompletedProcess[str], subprocess.CompletedProcess[str] | None]:
         args = {**common, "port": opts.master_port if host == first else None}
-        check = _run(ssh_argv(host, opts, "hostname"), opts) if check_anyway else None
+        check = run(ssh_argv(host, opts.ssh_port, "hostname"), opts.timeout_s) if check_anyway else None
         return host, run_probe(host, "inspect", args, opts, env), check
 
     answers: dict[str, dict[str, Any]] = {}
@@ -210,24 +173,12 @@ def inspect_hosts(cfg: RunConfig, opts: Options, report: Report) -> dict[str, di
                     Problem(
                         host,
                         "probe",
-                        f"`cd {opts.cwd} && {opts.python}` failed: {_last_line(res.stderr)}",
+                        f"`cd {opts.cwd} && {opts.python}` failed: {last_line(res.stderr)}",
                         f"put the repository at {opts.cwd} and its venv at {opts.python} on every host "
                         "(a shared filesystem, or the same paths), then rerun preflight",
                     )
                 )
     return answers
-
-
-def _passwordless(host: str) -> str:
-    if host in LOCAL_HOSTS:
-        return (
-            "set up passwordless ssh to this machine: ssh-keygen -t ed25519 -N '' -f ~/.ssh/id_ed25519 "
-            "(if you have no key), cat ~/.ssh/id_ed25519.pub >> ~/.ssh/authorized_keys, and run sshd"
-        )
-    return (
-        f"start sshd on {host} and make `ssh -o BatchMode=yes {host} true` work from this node: the name "
-        f"must resolve, and the key be authorized (ssh-copy-id {host})"
-    )
 
 
 def _ssh_problem(host: str, opts: Options, res: subprocess.CompletedProcess[str]) -> Problem:
@@ -236,20 +187,20 @@ def _ssh_problem(host: str, opts: Options, res: subprocess.CompletedProcess[str]
         return Problem(
             host,
             "ssh",
-            f"not reachable over ssh without a password ({_last_line(res.stderr)}): the launch does not "
+            f"not reachable over ssh without a password ({last_line(res.stderr)}): the launch does not "
             "ssh there, but preflight does",
-            f"{_passwordless(host)}; or run preflight on {host} itself",
+            f"{passwordless_fix(host)}; or run preflight on {host} itself",
         )
     if host == hosts[0] and not opts.no_ssh_check:
-        how = f"its launcher first runs `{deepspeed_ssh_check(host, opts)}`, and stops if that fails"
+        how = f"its launcher first runs `{deepspeed_ssh_check(host, opts.ssh_port)}`, and stops if that fails"
     else:
         how = "pdsh starts the ranks there over ssh"
     return Problem(
         host,
         "ssh",
-        f"not reachable over ssh without a password ({_last_line(res.stderr)}); "
+        f"not reachable over ssh without a password ({last_line(res.stderr)}); "
         f"`deepspeed --hostfile` (launch/pdsh.sh) ssh'es to every host here: {how}",
-        f"{_passwordless(host)}; or launch without ssh, launch/no_ssh.sh {opts.hostfile} NODE_RANK on every "
+        f"{passwordless_fix(host)}; or launch without ssh, launch/no_ssh.sh {opts.hostfile} NODE_RANK on every "
         "host (deepspeed --no_ssh), and check that launch with preflight --no-ssh",
     )
 
@@ -259,8 +210,8 @@ def _local_ssh_problem(host: str, opts: Options, check: subprocess.CompletedProc
         host,
         "ssh",
         f"`deepspeed --hostfile {opts.hostfile}` (launch/pdsh.sh) stops at its ssh check, even for this "
-        f"machine: `{deepspeed_ssh_check(host, opts)}` fails ({_last_line(check.stderr)})",
-        f"{_passwordless(host)}; or launch without ssh: launch/no_ssh.sh {opts.hostfile} 0 (deepspeed "
+        f"machine: `{deepspeed_ssh_check(host, opts.ssh_port)}` fails ({last_line(check.stderr)})",
+        f"{passwordless_fix(host)}; or launch without ssh: launch/no_ssh.sh {opts.hostfile} 0 (deepspeed "
         "--no_ssh), or deepspeed without --hostfile, and check that launch with `pretrain preflight --no-ssh`",
     )
 
@@ -457,7 +408,7 @@ def time_allreduce(cfg: RunConfig, opts: Options, answers: dict[str, dict[str, A
                 Problem(
                     h,
                     "all-reduce",
-                    f"{world}-rank all-reduce failed: {_last_line(results[h].stderr)}",
+                    f"{world}-rank all-reduce failed: {last_line(results[h].stderr)}",
                     f"every host must reach {common['master_addr']}:{opts.master_port} and each other over "
                     "TCP; set launch.socket_ifname to the interface that connects them (NCCL_SOCKET_IFNAME, "
                     "GLOO_SOCKET_IFNAME), check firewalls, and rerun with --set launch.nccl_debug=INFO",

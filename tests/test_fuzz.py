@@ -26,8 +26,8 @@ SEED = 20261203
 CASES_PER_COMMAND = 60
 HANG_S = 60  # a case still running after this is a hang
 
-# Commands fuzzed with random arguments. `train` and `preflight` start ranks and reach hosts; they
-# get the cases that must fail before either (bad config, bad hostfile), listed further down.
+# Commands fuzzed with random arguments. `train`, `preflight` and `launch-check` start ranks or reach
+# hosts; they get the cases that must fail before either (bad config, bad hostfile), listed further down.
 RANDOM_COMMANDS = [
     "config", "render", "presets", "hostfile", "launch-env", "plan", "plot",
     "export", "convert", "sample", "data prepare",
@@ -165,8 +165,8 @@ def _random_case(
 
 
 def _fixed_cases(f: dict[str, Path], precious: dict[str, Path]) -> list[list[str]]:
-    """Hostile cases for `train` and `preflight` that must stop before any rank or host starts, and
-    the writes that would destroy precious things."""
+    """Hostile cases for `train`, `preflight` and `launch-check` that must stop before any rank or
+    host starts, and the writes that would destroy precious things."""
     bad_cfgs = [
         "yaml-dup.yaml",
         "yaml-list.yaml",
@@ -189,6 +189,7 @@ def _fixed_cases(f: dict[str, Path], precious: dict[str, Path]) -> list[list[str
         cases.append(["preflight", "--hostfile", str(f[h])])
         cases.append(["launch-env", "--hostfile", str(f[h])])
         cases.append(["plan", "--hostfile", str(f[h])])
+        cases.append(["launch-check", str(f[h])])
     cases += [
         ["export", str(precious["precious-run"]), "--out", str(precious["precious-dir"])],
         ["export", str(f["missing"]), "--out", str(precious["precious-dir"])],
@@ -283,7 +284,7 @@ def test_fuzz_every_command(tmp_path, monkeypatch):
                 f"{argv!r}: rc {rc}, {type(exc).__name__ if exc else ''} {str(exc)[:300]}\n{err[-600:]}"
             )
     print(
-        f"\nfuzz: {len(cases)} cases over {len(RANDOM_COMMANDS) + 2} commands; exit codes {sorted(codes.items())}"
+        f"\nfuzz: {len(cases)} cases over {len(RANDOM_COMMANDS) + 3} commands; exit codes {sorted(codes.items())}"
     )
     assert not failures, f"{len(failures)} of {len(cases)} cases failed:\n" + "\n".join(failures[:15])
     after = _snapshot(precious["precious-dir"])

@@ -148,7 +148,10 @@ def test_slurm_step_discovery(monkeypatch):
     for k in [k for k in os.environ if k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "SLURM", "MASTER"))]:
         monkeypatch.delenv(k)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)  # launch_env sets them: gone again after this test
+        # launch_env sets them: gone again after this test (delenv of an unset name records nothing
+        # to undo, so set it first)
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
     monkeypatch.setenv("SLURM_PROCID", "9")
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "10")
     monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "4(x2),2")

@@ -5,6 +5,7 @@ give the per-step losses of a 2-rank run on one host:
 - launch/pdsh.sh: `deepspeed --hostfile` over pdsh and ssh;
 - launch/no_ssh.sh: one `deepspeed --no_ssh --node_rank K` per host;
 - launch/mpirun.sh: Open MPI's mpirun, ranks discovered through mpi4py.
+pdsh.sh and mpirun.sh stop before any rank starts when a host's sshd is down, naming it.
 Model parallelism across hosts: two ranks per host, a pipeline stage on each host with tensor
 parallelism inside it (launch/pdsh.sh), must give the losses of the same layout on one host.
 Then `pretrain preflight` passes on the healthy cluster and names each seeded fault with its host.
@@ -167,6 +168,33 @@ def test_slurm_sbatch_on_a_real_two_node_slurm(cluster, char_dataset, single_hos
     )
     job_id = logs[0].stem.removeprefix("job-")
     assert (tmp_path / f"pretrain-slurm-{job_id}.hostfile").read_text() == "node1 slots=1\nnode2 slots=1\n"
+
+
+@pytest.mark.parametrize("script", ["pdsh.sh", "mpirun.sh"])
+def test_a_launch_stops_at_a_host_ssh_cannot_reach(cluster, char_dataset, tmp_path, script):
+    """node2's sshd stopped: the script's check (real ssh, as DeepSpeed's launcher runs it) names
+    node2 and the fix in one line and exits 2; no rank starts, so no run dir appears."""
+    run_dir = tmp_path / "run"
+    node2 = cluster.hosts[1]
+    node2.stop_sshd()
+    try:
+        out = cluster.run(
+            0,
+            [str(ROOT / "launch" / script), str(cluster.hostfile()), *train_args(char_dataset, run_dir),
+             *launch_args(cluster)],
+            timeout=120,
+            env=cluster.env(MASTER_PORT="29578"),
+        )  # fmt: skip
+    finally:
+        node2.start_sshd()
+    assert out.returncode == 2, out.stdout[-3000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 1, out.stdout
+    assert lines[0].startswith(
+        f"launch/{script}: host node2 is not reachable over ssh (`ssh -o PasswordAuthentication=no node2 "
+        "hostname` failed: ssh: connect to host node2 port 22: Connection refused): start sshd on node2"
+    ), lines[0]
+    assert not run_dir.exists()
 
 
 # ---------------------------------------------------------------------------------------------

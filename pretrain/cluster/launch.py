@@ -12,6 +12,11 @@ ordered mapping, and every one it rejects is rejected here too, with a message t
 line and the fix. On top of DeepSpeed's rules this parser refuses zero slots, text glued to the
 slot count (`slots=8x`), and host names with anything but letters, digits, '.', '-' and '_', so
 that no shell metacharacter from a hostfile ever reaches a pdsh, ssh or mpirun command line.
+
+A comment line DeepSpeed ignores can say what the hosts are, for `pretrain plan`
+(`hostfile_target`):
+
+    # pretrain: device=A100-80GB host-gb=1024
 """
 
 from __future__ import annotations
@@ -98,6 +103,55 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
     except OSError as e:
         raise HostfileError([f"unreadable ({e.strerror or e})"], str(p)) from None
     return parse_hostfile(text, str(p))
+
+
+# `# pretrain: key=value ...`: what the hostfile's hosts are (all alike), for `pretrain plan`.
+_TARGET_LINE = re.compile(r"^#\s*pretrain\s*:(.*)$")
+TARGET_KEYS = {
+    "device": "the accelerator of every host, as `plan --device` takes it (A100-80GB, H100, cpu)",
+    "device-gb": "one accelerator's memory in GB (default: from the device's name)",
+    "host-gb": "one host's memory in GB, for the offloaded states",
+}
+
+
+def hostfile_target(path: str | Path) -> tuple[dict[str, str | float], str]:
+    """The hostfile's `# pretrain: device=... host-gb=...` line as {key: value}, and where it is
+    ('{path} line N'); ({}, '') when it has none. Every bad key or value is named at once."""
+    p = Path(path)
+    read_hostfile(p)  # the file's own checks first
+    found: dict[str, str | float] = {}
+    problems: list[str] = []
+    where = ""
+    for n, raw in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+        m = _TARGET_LINE.match(raw.strip())
+        if not m:
+            continue
+        if where:
+            problems.append(f"line {n}: a second '# pretrain:' line ({where} is the first); keep one")
+            continue
+        where = f"{p} line {n}"
+        for item in m.group(1).split():
+            key, eq, value = item.partition("=")
+            if key not in TARGET_KEYS or not eq or not value:
+                problems.append(
+                    f"line {n}: {item!r}: expected key=value with a key of "
+                    + ", ".join(f"{k} ({v})" for k, v in TARGET_KEYS.items())
+                )
+            elif key == "device":
+                if not re.fullmatch(r"[A-Za-z0-9._-]+", value):
+                    problems.append(f"line {n}: device={value!r}: a device name, e.g. A100-80GB")
+                found[key] = value
+            else:
+                try:
+                    number = float(value)
+                except ValueError:
+                    number = -1.0
+                if not 0 < number < 1e7:
+                    problems.append(f"line {n}: {key}={value!r}: a positive number of GB, e.g. {key}=80")
+                found[key] = number
+    if problems:
+        raise HostfileError(problems, str(p))
+    return found, where
 
 
 def format_hostfile(hosts: dict[str, int]) -> str:

@@ -10,10 +10,15 @@ data-parallel ranks, stage 2 also the gradients, stage 3 also the parameters:
 
 In fp32 the parameters and gradients take 4 bytes each. K stays 12 at stages 1-3, where DeepSpeed's
 ZeRO optimizer keeps its own fp32 copy of each rank's partition, and is 8 at stage 0 (torch AdamW:
-momentum and variance only). Offloading the optimizer moves K Ψ / N to host memory and adds an
-fp32 copy of the partition's gradients there (4 Ψ / N); the gradients stay on the device as before
-(measured: DeepSpeed keeps the gradient partition on the device under offload too). Offloading
-parameters (stage 3) moves the parameters to the host.
+momentum and variance only). In 16-bit training DeepSpeed's step also converts the gradient partition
+to fp32 (4 Ψ / N more at stages 1-3), and stage 3 holds the layer it has gathered (its 16-bit
+parameters and gradients); with these the count is DeepSpeed's own estimators' at stage 2 (2 Ψ +
+18 Ψ / N) and under every offload (stage 2: 2 Ψ; stage 3: 4 L + 2 Ψ / N, or 4 L with the
+parameters offloaded, L the largest layer). Offloading the optimizer moves K Ψ / N and the fp32 gradient
+partition to host memory, and the 16-bit gradient partition off the device (stage 2 reduces into the
+fp32 copy, stage 3 keeps it on the host); stage 1 keeps its full gradients on the device until
+backward ends. Offloading parameters (stage 3) moves the parameters
+to the host. `model_states` says where each piece is read from DeepSpeed's sources.
 
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models"): 34 s b h bytes per layer at 16 bits, of which 2 s b h are dropout masks; the 5 a s^2 b
@@ -66,6 +71,7 @@ that fit as the `--set` overrides that give them, fastest first.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -76,6 +82,7 @@ from typing import Any
 
 import torch
 
+from pretrain.cluster.evidence import default_efficiency, gpu_class
 from pretrain.cluster.hardware import GPU_PEAK_TFLOPS, device_peak_tflops, gpu_peak_tflops
 from pretrain.config.ds_render import pipeline_checkpoint_interval, render_deepspeed
 from pretrain.config.tree import (
@@ -134,6 +141,7 @@ class Target:
     device_gb: float | None = None
     device_src: str = ""
     host_gb: float | None = None
+    note: str = ""  # what the plan could not know about the target, and the flag that tells it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,24 +280,60 @@ def largest_layer_params(cfg: RunConfig) -> int:
 
 
 def model_states(
-    n_params: int, *, stage: int, world: int, precision: str, offload_optimizer: bool, offload_param: bool
+    n_params: int,
+    *,
+    stage: int,
+    world: int,
+    precision: str,
+    offload_optimizer: bool,
+    offload_param: bool,
+    gathered: int = 0,
 ) -> tuple[float, float, float, float]:
-    """(params, grads, optimizer) bytes on the device and bytes on the host, per rank."""
+    """(params, grads, optimizer) bytes on the device and bytes on the host, per rank.
+
+    On top of the ZeRO paper's count, as DeepSpeed 0.19's ZeRO optimizers run (read from
+    `stage_1_and_2.py` and `stage3.py`, and as its estimators count them):
+    - in 16-bit training the optimizer step converts the rank's gradient partition to fp32 (4Ψ/N,
+      counted with the optimizer: DeepSpeed's "4_grads_32bit"), at stage 3 one sub-group of at most
+      `ZERO3_SUB_GROUP` elements at a time;
+    - stage 3 gathers one layer's parameters at a time (`gathered`, the largest) and holds its full
+      gradients until they are reduce-scattered: p + g bytes of it on the device, offloaded or not;
+    - under optimizer offload the gradient partition goes to the host as it is reduced (stage 2's
+      `copy_grads_in_partition`, accumulated there across micro steps; stage 3's
+      grad_partitions_flat_buffer on the CPU), with its fp32 copy and the fp32 state; stage 1 keeps
+      its full gradients on the device until backward ends.
+    """
     p, g, k = bytes_per_param(precision, stage)
     psi, n = float(n_params), float(world)
     params = p * psi / (n if stage >= 3 else 1)
     grads = g * psi / (n if stage >= 2 else 1)
     optim = k * psi / (n if stage >= 1 else 1)
+    fp32_grads = 0.0
+    if stage >= 1 and precision in ("bf16", "fp16"):
+        fp32_grads = 4 * (min(psi / n, ZERO3_SUB_GROUP) if stage == 3 else psi / n)
+    optim += fp32_grads
     host = 0.0
     if offload_optimizer:
-        # The fp32 state, and an fp32 copy of the partition's gradients for the CPU optimizer; the
-        # gradients themselves still pass through the device (DeepSpeed keeps their partition there).
-        host += optim + 4 * psi / n
+        # The fp32 state and the fp32 copy of the partition's gradients the CPU optimizer steps on.
+        host += k * psi / n + 4 * psi / n
         optim = 0.0
+        if stage >= 2:
+            # Stage 3 keeps the 16-bit gradient partition on the host; stage 2 accumulates the
+            # partition's gradients there across micro steps (`async_accumulate_grad_in_cpu_via_gpu`).
+            host += grads
+            grads = 0.0
     if offload_param:
         host += params
         params = 0.0
+    if stage == 3:
+        params += p * gathered
+        grads += g * gathered
     return params, grads, optim, host
+
+
+# DeepSpeed's default zero_optimization.sub_group_size: stage 3 steps its optimizer one sub-group of
+# at most this many elements at a time.
+ZERO3_SUB_GROUP = 1e9
 
 
 def working_bytes(cfg: RunConfig, n_params: int, *, stage: int, world: int) -> float:
@@ -303,15 +347,15 @@ def working_bytes(cfg: RunConfig, n_params: int, *, stage: int, world: int) -> f
       (measured: 4.0 GB more live at the default 5e8 fp32 elements for a 3.2M- and a 30k-parameter
       model alike). The gradients are written into the first Ψ elements only, so on a CPU the rest
       is never resident (`bucket_written_bytes`), but a GPU's allocator hands out all of it;
-    - stage 3: the largest layer's parameters and gradients gathered at once, and a reduce bucket.
+    - stage 3: a reduce bucket (the gathered layer is a model state, `model_states`).
     """
-    p, g, _ = bytes_per_param(cfg.precision.name, stage)
+    _, g, _ = bytes_per_param(cfg.precision.name, stage)
     z = cfg.zero
     if stage == 0:
         return 0.0 if world == 1 else float(g * min(n_params, 500_000_000))
     if stage in (1, 2):
         return float(g * z.reduce_bucket_size * (2 if z.overlap_comm else 1))
-    return float(largest_layer_params(cfg) * (p + g) + g * min(z.reduce_bucket_size, n_params))
+    return float(g * min(z.reduce_bucket_size, n_params))
 
 
 def bucket_written_bytes(cfg: RunConfig, n_params: int, *, stage: int) -> float:
@@ -573,8 +617,12 @@ def comm_seconds(
 
 
 # Assumed when neither a flag, a previous run nor preflight gives them.
-ASSUMED_MFU = 0.4
+ASSUMED_MFU = 0.4  # a GPU outside `evidence.FWD_BWD_EFFICIENCY`, or a CPU
 ASSUMED_BUSBW = {"cuda": 100e9, "cuda-multinode": 20e9, "cpu": 1e9}  # bytes/s: NVLink, IB, gloo on loopback
+# All-reduce bus bandwidth (nccl-tests' busbw) within a node and across nodes, by GPU class: NVLink 3
+# (DGX A100: 600 GB/s a GPU both ways; nccl-tests' all_reduce reaches about 230 GB/s) and one HDR
+# InfiniBand NIC of 200 Gb/s (25 GB/s) a GPU; NVLink 4 (900 GB/s) and NDR 400 Gb/s (50 GB/s) a GPU.
+ASSUMED_GPU_BUSBW = {"A100": (230e9, 20e9), "H100": (450e9, 40e9)}
 ASSUMED_OPTIMIZER_S = {"cuda": 2e-11, "cpu": 2e-9}  # per parameter: 32 bytes at 1.6 TB/s; a CPU core
 ASSUMED_HOST_OPTIMIZER_S = 1e-9  # DeepSpeedCPUAdam per parameter, a few cores per rank
 PREFLIGHT_FILE = "preflight.json"  # where `pretrain preflight` leaves its all-reduce, in the run dir
@@ -586,6 +634,7 @@ def resolve_rates(
     ranks_per_node: int,
     *,
     device: str | None = None,
+    device_src: str = "",
     peak_tflops: float | None = None,
     mfu: float | None = None,
     busbw_gbs: float | None = None,
@@ -598,30 +647,39 @@ def resolve_rates(
     (`--node-busbw`, or assumed)."""
     src: dict[str, str] = {}
     kind = "cpu" if device == "cpu" or (device is None and not torch.cuda.is_available()) else "cuda"
+    gpu = None if kind == "cpu" else gpu_class(device or torch.cuda.get_device_name(0))
     if peak_tflops is not None:
         peak, src["peak"] = peak_tflops, "--peak-tflops"
     elif device not in (None, "cpu"):
         table = gpu_peak_tflops(str(device), cfg.precision.name)
+        named_by = f"{device_src}: device={device}" if device_src else f"--device {device}"
         if table is None:
-            raise ConfigError(
-                [f"--device {device}: not in the peak table ({', '.join(GPU_PEAK_TFLOPS)})"], "plan"
-            )
-        peak, src["peak"] = table, f"{device} datasheet"
+            raise ConfigError([f"{named_by}: not in the peak table ({', '.join(GPU_PEAK_TFLOPS)})"], "plan")
+        peak, src["peak"] = table, f"{device} datasheet" + (f", {device_src}" if device_src else "")
     elif cfg.logging.peak_tflops is not None:
         peak, src["peak"] = cfg.logging.peak_tflops, "logging.peak_tflops"
     else:
         peak, src["peak"] = _local_peak(cfg, ranks_per_node)
     multinode = world > ranks_per_node
-    busbw, src["busbw"] = _busbw(cfg, world, kind, multinode=multinode, given=busbw_gbs)
+    busbw, src["busbw"] = _busbw(cfg, world, kind, gpu, multinode=multinode, given=busbw_gbs)
     if node_busbw_gbs is not None:
         node_busbw, src["node_busbw"] = node_busbw_gbs * 1e9, "--node-busbw"
     elif not multinode:
         node_busbw, src["node_busbw"] = busbw, "the world's, on one node"
+    elif gpu in ASSUMED_GPU_BUSBW:
+        node_busbw, src["node_busbw"] = (
+            ASSUMED_GPU_BUSBW[gpu][0],
+            f"assumed for {gpu} NVLink (pass --node-busbw)",
+        )
     else:
         node_busbw, src["node_busbw"] = ASSUMED_BUSBW[kind], "assumed (pass --node-busbw)"
+    efficiency, src["mfu"] = default_efficiency(gpu, analytic_num_params(cfg.model)) or (
+        ASSUMED_MFU,
+        "assumed",
+    )
     rates = Rates(
         peak_tflops=peak,
-        mfu=ASSUMED_MFU,
+        mfu=efficiency,
         busbw=busbw,
         optimizer_s_per_param=ASSUMED_OPTIMIZER_S[kind],
         host_optimizer_s_per_param=ASSUMED_HOST_OPTIMIZER_S,
@@ -630,7 +688,7 @@ def resolve_rates(
         ranks_per_node=ranks_per_node,
         cores_per_node=(os.cpu_count() or 1) if kind == "cpu" else None,
     )
-    src["mfu"] = src["optimizer"] = "assumed"
+    src["optimizer"] = "assumed"
     mfus = [_calibrate(rates, run_dir) for run_dir in from_runs or []]  # and each the optimizer where it ran
     if mfus:
         rates.mfu = statistics.fmean(mfus)
@@ -659,7 +717,7 @@ def _local_peak(cfg: RunConfig, ranks_per_node: int) -> tuple[float, str]:
 
 
 def _busbw(
-    cfg: RunConfig, world: int, kind: str, *, multinode: bool, given: float | None
+    cfg: RunConfig, world: int, kind: str, gpu: str | None, *, multinode: bool, given: float | None
 ) -> tuple[float, str]:
     if given is not None:
         return given * 1e9, "--busbw"
@@ -669,6 +727,12 @@ def _busbw(
         return float(measured["busbw"]), f"{path}: {measured['world']}-rank all-reduce, {measured['backend']}"
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    if gpu in ASSUMED_GPU_BUSBW:
+        node, fabric = ASSUMED_GPU_BUSBW[gpu]
+        what = "InfiniBand across nodes" if multinode else "NVLink"
+        return (
+            fabric if multinode else node
+        ), f"assumed for {gpu} {what} (run `pretrain preflight` to measure it)"
     key = "cuda-multinode" if kind == "cuda" and multinode else kind
     return ASSUMED_BUSBW[key], "assumed (run `pretrain preflight` to measure it)"
 
@@ -728,10 +792,11 @@ def deepspeed_estimate(
     offload_optimizer: bool,
     offload_param: bool,
 ) -> tuple[float | None, float | None]:
-    """DeepSpeed's own (device, host) model-state estimate in bytes per rank; None at stage 0."""
+    """DeepSpeed's own (device, host) model-state estimate in bytes per rank; None at stages 0 and 1,
+    which it has no estimator for (its zero2 one partitions the gradients, which stage 1 does not)."""
     nodes = max(1, world // gpus_per_node)
     per_node = min(world, gpus_per_node)
-    if stage in (1, 2):
+    if stage == 2:
         # DeepSpeed only for its estimators: importing it takes seconds.
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
@@ -793,6 +858,7 @@ def plan_stages(
                 precision=precision,
                 offload_optimizer=off,
                 offload_param=par,
+                gathered=largest,
             )
             working = working_bytes(cfg, share.params, stage=stage, world=dp)
             act = activation_bytes(cfg, layout, share)
@@ -890,11 +956,12 @@ def render_plan(cfg: RunConfig, to: Target, rates: Rates | None = None, *, searc
         "DeepSpeed JSON (rendered):",
         json.dumps(render_deepspeed(cfg), indent=2),
         "",
+        *([f"note: {to.note}"] if to.note else []),
         f"Memory per rank in GB, {layout}, world size {world}; device memory {_gb(device_gb)} GB "
         f"({to.device_src}); host memory {_gb(to.host_gb)} GB a node.",
         "Model states by the ZeRO paper (see `pretrain/cluster/plan.py`), ZeRO sharding over the "
         f"{layout.data} data-parallel rank{'s' if layout.data > 1 else ''}; DeepSpeed's estimate assumes 16-bit "
-        "training (2 + 18 bytes/param), gives host memory per node, and does not model stage 0.",
+        "training (2 + 18 bytes/param), gives host memory per node, and has no estimator for stages 0 and 1.",
     ]
     pp = layout.pipeline > 1
     header = (
@@ -924,7 +991,7 @@ def render_plan(cfg: RunConfig, to: Target, rates: Rates | None = None, *, searc
     lines += [
         f"* this config. Each row is the rank that needs the most memory{' (its pipeline stage last)' if pp else ''}. "
         f"activ: {activ}. work: DeepSpeed's "
-        "gradient reduction buffers (and stage 3's gathered largest layer). comm: what each rank sends per "
+        "gradient reduction buffers (stage 3's gathered largest layer is in params and grads). comm: what each rank sends per "
         "optimizer step for ZeRO (2Ψ stages 0-2, 3Ψ stage 3, Ψ the rank's parameters, per micro step where the "
         "stage reduces each one). host fits: the offloaded states of a node's ranks in its host memory."
     ]
@@ -1065,12 +1132,21 @@ class LayoutOption:
     days: float | None
 
 
+def micro_batches(micro: int) -> list[int]:
+    """The micro batches the search tries: the configured one and its halves down to 1."""
+    out = [micro]
+    while out[-1] > 1:
+        out.append(out[-1] // 2)
+    return out
+
+
 def search_layouts(cfg: RunConfig, to: Target, rates: Rates | None) -> tuple[list[LayoutOption], int]:
     """The layouts of a small search that fit the device (and host), fastest first, and how many
     were tried: tensor 1, 2, 4, 8 up to the ranks of a node, pipeline stages dividing the node count
-    or the layers, every ZeRO stage and offload `layout_variants` allows, activation checkpointing as
-    configured and on. The global batch stays: the accumulation makes up for the data-parallel size
-    (a layout whose data-parallel size does not divide it is left out)."""
+    or the layers, every ZeRO stage and offload `layout_variants` allows, the micro batch as configured
+    and halved down to 1, activation checkpointing as configured and on. The global batch stays: the
+    accumulation makes up for the micro batch and the data-parallel size (a layout whose micro batch
+    x data-parallel size does not divide it is left out)."""
     world, m, b = to.world, cfg.model, cfg.batch
     per_node = to.ranks_per_node or min(world, 8)
     nodes = max(1, world // per_node)
@@ -1082,11 +1158,15 @@ def search_layouts(cfg: RunConfig, to: Target, rates: Rates | None) -> tuple[lis
             if world % (tp * pp):
                 continue
             dp = world // (tp * pp)
-            if b.sequences % (b.micro_batch_size * dp):
-                continue
-            accum = b.sequences // (b.micro_batch_size * dp)
-            for ckpt in sorted({m.activation_checkpointing, True}):
+            for micro, ckpt in itertools.product(
+                micro_batches(b.micro_batch_size), sorted({m.activation_checkpointing, True})
+            ):
+                if b.sequences % (micro * dp):
+                    continue
+                accum = b.sequences // (micro * dp)
                 sets = [f"parallel.tensor={tp}", f"parallel.pipeline={pp}"]
+                if micro != b.micro_batch_size:
+                    sets.append(f"batch.micro_batch_size={micro}")
                 if accum != b.gradient_accumulation_steps:
                     sets.append(f"batch.gradient_accumulation_steps={accum}")
                 if ckpt != m.activation_checkpointing:
@@ -1134,7 +1214,10 @@ def search_layouts(cfg: RunConfig, to: Target, rates: Rates | None) -> tuple[lis
                         )
                     )
     found.sort(key=lambda o: (o.step_s if o.step_s is not None else 0.0, o.device_total_gb))
-    return found, tried
+    best: dict[tuple[str, int, str], LayoutOption] = {}
+    for o in found:  # the fastest of each layout, stage and offload (a micro batch or checkpointing apart)
+        best.setdefault((o.layout, o.stage, o.offload), o)
+    return list(best.values()), tried
 
 
 SEARCH_SHOWN = 5
@@ -1153,15 +1236,15 @@ def render_search(cfg: RunConfig, to: Target, rates: Rates | None, *, fitting: b
                 "smaller micro batch."]  # fmt: skip
     lines = [
         f"{said} Layouts that fit, fastest first ({min(len(found), SEARCH_SHOWN)} of the {len(found)} that fit, "
-        f"of {tried} searched; the global batch of {cfg.batch.sequences} sequences kept):",
-        "layout               ZeRO    offload    device GB |   step s |   days | --set",
+        f"the fastest micro batch and checkpointing of each, of {tried} searched; the global batch of {cfg.batch.sequences} sequences kept):",
+        "layout               ZeRO    offload           device GB |   step s |      days | --set",
     ]
     for o in found[:SEARCH_SHOWN]:
         step = "-" if o.step_s is None else f"{o.step_s:.3g}"
         days = "-" if o.days is None else f"{o.days:.4g}"
         lines.append(
-            f"{o.layout:<20} ZeRO-{o.stage:<2} {o.offload:<10} {_gb(o.device_total_gb):>9} | {step:>8} | "
-            f"{days:>6} | " + " ".join(f"--set {s}" for s in o.overrides)
+            f"{o.layout:<20} ZeRO-{o.stage:<2} {o.offload:<17} {_gb(o.device_total_gb):>9} | {step:>8} | "
+            f"{days:>9} | " + " ".join(f"--set {s}" for s in o.overrides)
         )
     return lines
 
@@ -1179,7 +1262,9 @@ def plan_json(
         "layout": asdict(layout),
         "pipeline_stages": [asdict(s) for s in stage_shares(cfg, layout)],
         "device_gb": to.device_gb,
+        "device_source": to.device_src,
         "host_gb": to.host_gb,
+        "note": to.note or None,
         "stages": [asdict(p) for p in plans],
     }
     if rates is not None:

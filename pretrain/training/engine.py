@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from pretrain.cluster.launch import launcher
+from pretrain.cluster.reach import free_port, who_holds
 from pretrain.config.tree import RunConfig
-from pretrain.errors import ConfigError, require
+from pretrain.errors import ConfigError, LaunchError, require
 from pretrain.training.model import GPT, init_seed, param_groups
 
 
@@ -58,7 +59,7 @@ def launch_env() -> Dist:
         else:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
     world = int(os.environ["WORLD_SIZE"])
     return Dist(
         rank=int(os.environ["RANK"]),
@@ -121,12 +122,6 @@ def _env_from_mpi() -> None:
     node.Free()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init_distributed(dist: Dist, timeout_s: float = 1800) -> None:
     """Join the process group: NCCL on CUDA, gloo on the CPU (DeepSpeed picks by accelerator).
 
@@ -146,11 +141,36 @@ def init_distributed(dist: Dist, timeout_s: float = 1800) -> None:
         skip_shm_comm_op()
     else:
         accel.set_device(dist.local_rank)
-    deepspeed.init_distributed(
-        dist_backend=accel.communication_backend_name(),
-        auto_mpi_discovery=False,  # launch_env() has set RANK, WORLD_SIZE and MASTER_* already
-        verbose=False,
-        timeout=timedelta(seconds=timeout_s),
+    try:
+        deepspeed.init_distributed(
+            dist_backend=accel.communication_backend_name(),
+            auto_mpi_discovery=False,  # launch_env() has set RANK, WORLD_SIZE and MASTER_* already
+            verbose=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except (torch.distributed.DistNetworkError, torch.distributed.DistStoreError) as e:
+        raise rendezvous_error(dist, e) from None
+
+
+def rendezvous_error(dist: Dist, e: Exception) -> LaunchError:
+    """The rendezvous failed: rank 0 could not listen on MASTER_PORT (torch's TCPStore server binds it
+    on every address), or another rank could not reach rank 0 there. Under DeepSpeed's launcher the
+    other ranks of the host are killed when rank 0 exits; this is the one message left."""
+    addr, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+    where = f"{addr}:{port} (MASTER_ADDR:MASTER_PORT)"
+    said = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
+    if dist.rank == 0 and ("EADDRINUSE" in said or "address already in use" in said.lower()):
+        free = free_port()
+        return LaunchError(
+            f"rank 0 cannot listen on port {port} for the rendezvous at {where}: it is in use. Pick a free "
+            f"port, e.g. {free} (free now): deepspeed --master_port {free} ..., or MASTER_PORT={free} "
+            f"launch/...; or stop what holds it ({who_holds(port)})"
+        )
+    if dist.rank == 0:
+        return LaunchError(f"rank 0 cannot start the rendezvous at {where}: {said}")
+    return LaunchError(
+        f"cannot join the rendezvous at {where}: {said}. Rank 0 must be running and listening there, "
+        "and reachable from this host (the name, a firewall, launch.socket_ifname)"
     )
 
 
