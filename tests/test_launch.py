@@ -239,10 +239,50 @@ def test_slurm_sbatch_derives_the_hostfile_from_the_allocation(nodelist, hosts, 
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[: len(hosts)] == [f"{h} slots=8" for h in hosts]
-    assert (tmp_path / "pretrain-slurm-4242.hostfile").read_text().split("\n")[:-1] == lines[: len(hosts)]
+    written = (tmp_path / "pretrain-slurm-4242.hostfile").read_text().split("\n")[:-1]
+    assert written == ["# launch/slurm.sbatch: the nodes of Slurm job 4242", *lines[: len(hosts)]]
     assert lines[len(hosts)] == f"MASTER_ADDR={hosts[0]} MASTER_PORT=29500"
     assert lines[-1].startswith(f"srun --nodes={len(hosts)} --ntasks-per-node=8 --kill-on-bad-exit=1 ")
     assert "--signal=TERM@" in (ROOT / "launch" / "slurm.sbatch").read_text()
+
+
+def test_slurm_sbatch_never_overwrites_a_hostfile_it_did_not_write(tmp_path):
+    """HOSTFILE pointing at a person's file (or a directory): refused, the file as it was, nothing
+    started; a path of its own is written and rewritten."""
+    if shutil.which("scontrol") is None:
+        pytest.skip("scontrol not installed (slurm-client, .ci/system-deps)")
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(
+        "ClusterName=t\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\nPartitionName=p Nodes=ALL\n"
+    )
+    mine = tmp_path / "my_hosts"
+    mine.write_text("gpu-01 slots=8\ngpu-02 slots=8\n")
+    env = dict(
+        SLURM_CONF=str(conf), SLURM_JOB_ID="7", SLURM_JOB_NODELIST="node[1-2]", SLURM_JOB_NUM_NODES="2",
+        SLURM_NTASKS_PER_NODE="2", SLURM_SUBMIT_DIR=str(ROOT), PYTHON=sys.executable, DRY_RUN="1",
+    )  # fmt: skip
+
+    def sbatch(hostfile: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", str(ROOT / "launch" / "slurm.sbatch")],
+            env=subprocess_env(**env, HOSTFILE=str(hostfile)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    for target in (mine, tmp_path):
+        out = sbatch(target)
+        assert out.returncode == 2 and "srun" not in out.stdout, out
+        assert out.stderr.count("\n") == 1 and "this script did not write it: it is kept" in out.stderr
+        assert "Traceback" not in out.stderr
+    assert mine.read_text() == "gpu-01 slots=8\ngpu-02 slots=8\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my_hosts", "slurm.conf"]  # no temporary left
+    fresh = tmp_path / "job.hosts"
+    for _ in range(2):  # its own file, written again by a requeued job
+        out = sbatch(fresh)
+        assert out.returncode == 0, out.stderr
+        assert fresh.read_text().splitlines()[1:] == ["node1 slots=2", "node2 slots=2"]
 
 
 # ---------------------------------------------------------------------------------------------
