@@ -75,16 +75,36 @@ FRACTION = _number(float, 0, above=True, high=1)
 WORKERS = _number(int, 0, high=1024)  # processes on one machine
 
 
+class Once(argparse.Action):
+    """An option that takes one value: given twice, it is an error naming both, not the last one
+    silently (`--config a.yaml --config b.yaml` would drop a.yaml)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:  # fmt: skip
+        given = getattr(namespace, self.dest, None)
+        if given is not None and given != values:
+            parser.error(
+                f"{option_string} given twice ({given!r}, then {values!r}): give it once; "
+                + ("layer files with --set KEY=VALUE or one --config that holds both" if self.dest != "preset"
+                   else "a run starts from one preset; change its fields with --set KEY=VALUE")
+            )  # fmt: skip
+        setattr(namespace, self.dest, values)
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("config (applied in this order)")
     g.add_argument(
-        "--preset", choices=list(PRESETS), help="Starting point (default: tiny, or the config file's)."
+        "--preset",
+        action=Once,
+        choices=list(PRESETS),
+        help="Starting point (default: tiny, or the config file's).",
     )
-    g.add_argument("--config", metavar="FILE", help="Run config, YAML or JSON: a partial tree.")
+    g.add_argument("--config", action=Once, metavar="FILE", help="Run config, YAML or JSON: a partial tree.")
     g.add_argument(
         "--ds",
         "--deepspeed_config",
         "--deepspeed",
+        action=Once,
         dest="ds",
         metavar="FILE",
         help="A DeepSpeed JSON, read back into the tree (one rendered by pretrain also names the preset).",
@@ -450,9 +470,9 @@ def _resume(resume: str | None, cfg: RunConfig) -> str | None:
 def cmd_convert(args: argparse.Namespace) -> int:
     from pretrain.training.checkpoint import convert_to_universal  # torch, DeepSpeed
 
-    out = convert_to_universal(Path(args.src), workers=args.workers, checksums=not args.no_checksums)
+    out, wrote = convert_to_universal(Path(args.src), workers=args.workers, checksums=not args.no_checksums)
     print(
-        f"wrote the universal checkpoint {out}\n"
+        f"{'wrote the universal checkpoint' if wrote else 'already converted, and sound:'} {out}\n"
         f"`pretrain train --resume auto` (same run dir) now continues it on any world size; or pass "
         f"--resume {out}"
     )
@@ -688,7 +708,14 @@ def plan_inputs(args: argparse.Namespace) -> tuple[RunConfig, Target, Rates, str
     from pretrain.data.dataset import resolve_vocab, vocab_size  # tiktoken, torch: per command, as above
 
     if args.config_file in PRESETS and not Path(args.config_file).is_file():
-        args.preset, args.config_file = args.preset or args.config_file, None  # `pretrain plan gpt2-124m`
+        if args.preset not in (None, args.config_file):
+            raise ConfigError(
+                [
+                    f"two presets, {args.config_file} and --preset {args.preset}: give one (its fields change with --set)"
+                ],
+                "plan",
+            )
+        args.preset, args.config_file = args.config_file, None  # `pretrain plan gpt2-124m`
     if args.config_file:
         if args.config:
             raise ConfigError(["pass the run config either as CONFIG or as --config, not both"], "plan")

@@ -108,6 +108,37 @@ def converted(two_ranks) -> Path:
     return out
 
 
+@pytest.mark.distributed
+def test_convert_again_and_over_a_file_it_did_not_write(converted, tmp_path):
+    """A second convert says it is done (no DeepSpeed traceback); a person's file or directory at
+    step_N/universal is refused and kept; a damaged universal checkpoint of ours is converted anew."""
+    done = cli("convert", str(ckpt(converted, "ws_z2", 4)))
+    assert done.returncode == 0 and "already converted, and sound:" in done.stdout, done.stderr[-3000:]
+    src = tmp_path / "step_00000004"
+    shutil.copytree(ckpt(converted, "ws_z2", 4), src, ignore=shutil.ignore_patterns("universal"))
+    for mine in ("file", "dir"):
+        target = src / "universal"
+        if mine == "file":
+            target.write_text("my notes\n")
+        else:
+            target.mkdir()
+            (target / "notes.txt").write_text("my notes\n")
+        out = cli("convert", str(src))
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert (
+            "is in the way: it is not a universal checkpoint this project wrote, and it is kept" in out.stderr
+        )
+        assert (target.read_text() if mine == "file" else (target / "notes.txt").read_text()) == "my notes\n"
+        shutil.rmtree(target) if mine == "dir" else target.unlink()
+    shutil.copytree(ckpt(converted, "ws_z2", 4) / "universal", src / "universal")
+    damaged = next(p for p in sorted((src / "universal").rglob("*.pt")))
+    damaged.write_bytes(damaged.read_bytes()[:-1] + b"x")
+    out = cli("convert", str(src))
+    assert out.returncode == 0 and "wrote the universal checkpoint" in out.stdout, out.stderr[-3000:]
+    assert checkpoint.verify(src / "universal") == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]  # nothing set aside is left
+
+
 def world_size_jobs(out: Path, ranks: int) -> list[dict]:
     # The global batch stays 4 sequences: 1 rank x 2 micro x 2 accumulation, or 4 ranks x 1.
     layout = ["batch.gradient_accumulation_steps=2"] if ranks == 1 else ["batch.micro_batch_size=1"]

@@ -323,3 +323,35 @@ def test_deepspeeds_log_lines_follow_stderr_where_a_caller_redirects_it(tmp_path
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout == "captured: True\n", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (
+            ["config", "--config", "a.yaml", "--config", "b.yaml"],
+            "--config given twice ('a.yaml', then 'b.yaml')",
+        ),
+        (["config", "--preset", "tiny", "--preset", "small"], "--preset given twice ('tiny', then 'small')"),
+        (["render", "--ds", "a.json", "--deepspeed_config", "b.json"], "--deepspeed_config given twice"),
+        (["train", "--preset", "tiny", "--preset", "small"], "--preset given twice"),
+    ],
+)
+def test_a_config_option_given_twice_is_refused_not_half_dropped(argv, needle, capsys):
+    """The last of two --config (--preset, --ds) used to win silently: the first file's settings were
+    dropped without a word."""
+    from pretrain.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err, err
+
+
+def test_plan_with_a_preset_named_twice_is_refused(capsys):
+    from pretrain.cli import main
+
+    assert main(["plan", "gpt2-124m", "--preset", "tiny"]) == 2
+    assert "two presets, gpt2-124m and --preset tiny: give one" in capsys.readouterr().err
+    assert main(["plan", "tiny", "--preset", "tiny", "--json"]) == 0  # the same one twice is one

@@ -787,10 +787,10 @@ def load(engine: Any, ckpt: Checkpoint) -> dict[str, Any]:
 # Universal checkpoints (another world size or ZeRO stage)
 
 
-def convert_to_universal(src: Path, workers: int = 1, checksums: bool = True) -> Path:
-    """Write DeepSpeed's universal checkpoint of `src` into `src/universal`, atomically."""
-    from deepspeed.checkpoint import ds_to_universal
-
+def convert_to_universal(src: Path, workers: int = 1, checksums: bool = True) -> tuple[Path, bool]:
+    """Write DeepSpeed's universal checkpoint of `src` into `src/universal`, atomically; (its path,
+    False) when a sound one of ours is there already. Anything else at that path that this project
+    did not write is refused and kept; an unsound one of ours is replaced."""
     src = locate(src, checksums=checksums)
     meta = read_meta(src)
     if meta.get("format") == "universal":
@@ -808,7 +808,35 @@ def convert_to_universal(src: Path, workers: int = 1, checksums: bool = True) ->
             "any world size as it is; there is nothing to convert"
         )
     out, tmp = src / UNIVERSAL, src / f"{_TMP}{UNIVERSAL}"
+    old = None
+    if out.exists() or out.is_symlink():
+        ours = out.is_dir() and not out.is_symlink() and (out / META).is_file()
+        if not ours or read_meta(out).get("format") != "universal":
+            raise CheckpointError(
+                f"{out} is in the way: it is not a universal checkpoint this project wrote, and it is kept as "
+                f"it is. Move it elsewhere, then run `pretrain convert {src}` again"
+            )
+        if not verify(out, checksums=checksums):
+            return out, False
+        # Ours but unsound: set aside (outside src, which DeepSpeed's converter reads) until the new
+        # one is in place, and put back should the conversion fail.
+        old = src.parent / f"{_TRASH}{src.name}-{UNIVERSAL}-{os.getpid()}"
+        out.rename(old)
     shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _convert(src, tmp, out, meta, workers, checksums)
+    except BaseException:
+        if old is not None and not out.exists():
+            old.rename(out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out, True
+
+
+def _convert(src: Path, tmp: Path, out: Path, meta: dict[str, Any], workers: int, checksums: bool) -> None:
+    from deepspeed.checkpoint import ds_to_universal
+
     args = Namespace(
         input_folder=str(src),
         output_folder=str(tmp),
@@ -829,4 +857,3 @@ def convert_to_universal(src: Path, workers: int = 1, checksums: bool = True) ->
     umeta = {**meta, "format": "universal", "tag": f"{src.name}/{UNIVERSAL}", "files": files}
     write_atomic(tmp / META, json.dumps(umeta, indent=1) + "\n")
     replace_dir(tmp, out)
-    return out
