@@ -324,3 +324,98 @@ def test_a_new_run_never_mixes_with_an_earlier_runs_checkpoints(small_run, tmp_p
     before = tree(run / "checkpoints")
     one_error(cli(*train_args(char_dataset, run, 4)), "holds the checkpoints of an earlier run", "--resume")
     assert tree(run / "checkpoints") == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Resumes and checkpoint dirs that used to lose or mix checkpoints: two runs sharing one
+# `checkpoint.dir`, a resume from an older checkpoint beside newer ones, `--resume auto` past a
+# corrupt newest one (which retention then favoured over the valid one), and a resume of another
+# run's checkpoint into a run dir with checkpoints of its own.
+
+STEP_2, STEP_4 = "step_00000002", "step_00000004"
+
+
+def copy_run(small_run: Path, to: Path) -> Path:
+    shutil.copytree(small_run, to)
+    (to / ".lock").unlink(missing_ok=True)
+    return to
+
+
+def test_two_runs_with_one_checkpoint_dir_are_refused(char_dataset, tmp_path):
+    shared = tmp_path / "shared_checkpoints"
+    first = subprocess.Popen(
+        [
+            str(BIN / "pretrain"),
+            *train_args(char_dataset, tmp_path / "a", 100000),
+            f"--set=checkpoint.dir={shared}",
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "a" / "metrics.csv").is_file():  # the first run holds its locks by now
+            assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
+            time.sleep(0.5)
+        second = cli(*train_args(char_dataset, tmp_path / "b", 4), f"--set=checkpoint.dir={shared}")
+        one_error(second, f"checkpoint dir {shared} is in use by another run", "set checkpoint.dir")
+        assert not (tmp_path / "b" / "metrics.csv").exists()
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=60)
+    assert not any(p.name.startswith(".lock") for p in shared.iterdir())  # the lock added no file
+
+
+def test_resuming_an_older_checkpoint_beside_newer_ones_is_refused(small_run, char_dataset, tmp_path):
+    run = copy_run(small_run, tmp_path / "run")
+    before = tree(run / "checkpoints")
+    done = cli(*train_args(char_dataset, run, 8), "--resume", str(run / "checkpoints" / STEP_2))
+    one_error(
+        done, f"holds newer checkpoints ({STEP_4})", "move it out of", "logging.run_dir to a new directory"
+    )
+    assert tree(run / "checkpoints") == before
+
+
+def test_resume_auto_past_a_corrupt_newest_keeps_it_aside(small_run, char_dataset, tmp_path):
+    run = copy_run(small_run, tmp_path / "run")
+    ck = run / "checkpoints"
+    corrupt(ck / STEP_4 / "mp_rank_00_model_states.pt")
+    damaged = tree(ck / STEP_4)
+    done = cli(*train_args(char_dataset, run, 6), "--set=checkpoint.keep_last=1", "--resume")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    out = done.stdout + done.stderr
+    assert f"{ck / STEP_4} is invalid: kept aside as {STEP_4}.invalid" in out
+    assert tree(ck / f"{STEP_4}.invalid") == damaged  # kept as it was, past retention and the new save
+    assert checkpoint.committed_tags(ck)[0] == ["step_00000006"]  # keep_last 1: the newest valid one
+    assert checkpoint.verify(ck / "step_00000006") == []
+
+
+def test_resuming_another_runs_checkpoint_into_a_run_with_its_own_is_refused(
+    small_run, char_dataset, tmp_path
+):
+    mine = copy_run(small_run, tmp_path / "mine")
+    other = copy_run(small_run, tmp_path / "other")
+    before = tree(mine)
+    done = cli(*train_args(char_dataset, mine, 8), "--resume", str(other / "checkpoints" / STEP_4))
+    one_error(done, "that checkpoint is another run's", f"set logging.run_dir to {other}")
+    after = tree(mine)
+    assert after.pop(".lock").startswith(b"host ")  # the lock file names its last holder
+    assert after == before  # the record, the metrics and the checkpoints as they were
+    # into a new run dir it is a branch, and runs
+    branch = cli(
+        *train_args(char_dataset, tmp_path / "branch", 6), "--resume", str(other / "checkpoints" / STEP_4)
+    )
+    assert branch.returncode == 0, branch.stdout[-2000:] + branch.stderr[-3000:]
+    assert checkpoint.committed_tags(tmp_path / "branch" / "checkpoints")[0] == ["step_00000006"]
+
+
+@pytest.mark.parametrize("name", [STEP_2])
+def test_resuming_the_newest_checkpoint_by_name_still_runs(small_run, char_dataset, tmp_path, name):
+    run = copy_run(small_run, tmp_path / "run")
+    shutil.rmtree(run / "checkpoints" / STEP_4)
+    (run / "checkpoints" / "latest").write_text(f"{name}\n")
+    done = cli(*train_args(char_dataset, run, 4), "--resume", str(run / "checkpoints" / name))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

@@ -109,3 +109,73 @@ def test_restart_count_reads_the_supervisors_torchruns_and_slurms():
         for k in names:
             os.environ.pop(k, None)
         os.environ.update(saved)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process under `pid`, from /proc (no psutil)."""
+    from pathlib import Path
+
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    from pathlib import Path
+
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.distributed
+def test_kill_9_of_the_supervisor_takes_torchrun_and_the_ranks_with_it(char_dataset, tmp_path):
+    """The supervisor's children run in a session of their own: without a death signal, `kill -9`
+    of the supervisor left torchrun and its ranks training, orphaned, holding the run dir's lock."""
+    import time
+
+    from pretrain.training import rundir
+
+    run = tmp_path / "run"
+    endless = ["schedule.max_steps=1000000", "checkpoint.interval=1000000", "logging.eval_interval=1000000"]
+    sets = [
+        f"--set={s}"
+        for s in [*SUPERVISED, *endless, f"data.dataset_dir={char_dataset}", f"logging.run_dir={run}"]
+    ]
+    proc = subprocess.Popen(
+        [str(BIN / "pretrain"), "train", CORPUS, *sets, "--nproc-per-node", "2", "--max-restarts", "2"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    metrics = run / "metrics.csv"
+    deadline = time.monotonic() + 180
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) > 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.5)
+    under = descendants(proc.pid)
+    assert len(under) >= 3  # torchrun and its two ranks
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 120
+    while any(alive(p) for p in under):
+        assert time.monotonic() < deadline, [p for p in under if alive(p)]
+        time.sleep(0.5)
+    assert rundir.holder(run) is None  # the lock went with them
+    # the ranks were told to stop (SIGTERM through torchrun) and saved on the way out
+    tags, _ = checkpoint.committed_tags(run / "checkpoints")
+    assert tags, sorted(p.name for p in (run / "checkpoints").iterdir())

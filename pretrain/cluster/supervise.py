@@ -42,6 +42,25 @@ def rank_arguments(train_args: list[str]) -> list[str]:
     return _own_flags().parse_known_args(train_args)[1]
 
 
+def _die_with(parent: int) -> Any:
+    """For the child (torchrun), before it runs: a SIGTERM when the supervisor dies, `kill -9`
+    included (Linux's PR_SET_PDEATHSIG), which torchrun passes on to the ranks, which save and stop.
+    Without it a session of its own (`start_new_session`) leaves torchrun and every rank running,
+    orphaned, holding the run dir's lock. Elsewhere: nothing (None)."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def set_death_signal() -> None:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+        if os.getppid() != parent:  # the supervisor died before the line above
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_death_signal
+
+
 def supervise(train_args: list[str], *, script: Path, nproc_per_node: int, max_restarts: int) -> int:
     """Run `script` (the train entry point) with `train_args` on `nproc_per_node` ranks under
     torchrun, up to `max_restarts` more times after a failure. Returns the exit code: 0, the last
@@ -66,7 +85,7 @@ def supervise(train_args: list[str], *, script: Path, nproc_per_node: int, max_r
         print(f"supervisor: attempt {attempt + 1} of {max_restarts + 1}: {' '.join(argv[1:])}", flush=True)
         # A session of its own, so that a terminal's Ctrl-C reaches the ranks once, through us.
         env = {**os.environ, "PRETRAIN_RESTART_COUNT": str(attempt)}
-        child = subprocess.Popen(argv, env=env, start_new_session=True)
+        child = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with(os.getpid()))
         rc = child.wait()
         if stop:
             return 128 + stop[0]  # the ranks saved and stopped, as asked

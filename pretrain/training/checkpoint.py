@@ -636,6 +636,54 @@ def resume_path(
     return locate(Path(spec), check=check, report=report)
 
 
+INVALID = ".invalid"  # an invalid checkpoint set aside: `step_N.invalid`, no step tag any more
+
+
+def place_resume(ckpt_dir: Path, chosen: Checkpoint, spec: str, *, group: Any, report: Any = print) -> None:
+    """Where a resume from `chosen` may write: refuse what would lose or mix checkpoints, on every
+    rank alike.
+
+    - A checkpoint of another checkpoint dir, into one that holds checkpoints already: the two runs'
+      checkpoints, `latest` and metrics would be stitched together.
+    - A checkpoint named directly while newer ones sit beside it: the run's saves would replace them
+      step by step (and retention delete them).
+    - Resumed past newer ones that are invalid (`--resume auto` fell back): those are set aside as
+      `step_N.invalid`, kept, so that neither retention nor a new save of the same step touches them."""
+    here = committed_tags(ckpt_dir)[0]
+    same = chosen.root.resolve() == ckpt_dir.resolve()
+    if not same and here:
+        raise CheckpointError(
+            f"--resume {spec}: that checkpoint is another run's ({chosen.root}), and this run's checkpoint dir "
+            f"{ckpt_dir} holds checkpoints of its own (newest {here[-1]}); resuming here would stitch the two runs "
+            f"together. Continue that run in its own run dir (set logging.run_dir to {chosen.root.parent}), or "
+            "branch from it into a new one (set logging.run_dir to a new directory)"
+        )
+    newer = [t for t in here if (step_of(t) or 0) > chosen.step] if same else []
+    if not newer:
+        return
+    if (Path(spec) / META).is_file():
+        raise CheckpointError(
+            f"--resume {spec}: {ckpt_dir} holds newer checkpoints ({', '.join(newer)}), and this run's saves "
+            "would replace them as it reaches their steps. To go back to step "
+            f"{chosen.step}, move {'them' if len(newer) > 1 else 'it'} out of {ckpt_dir} first (nothing is "
+            "deleted for you); to branch from it, set logging.run_dir to a new directory; to continue the "
+            "newest, --resume auto"
+        )
+    if world_of(group)[0] == 0:
+        for tag in newer:
+            aside = ckpt_dir / f"{tag}{INVALID}"
+            n = 1
+            while aside.exists():
+                aside, n = ckpt_dir / f"{tag}{INVALID}-{n}", n + 1
+            (ckpt_dir / tag).rename(aside)
+            report(
+                f"checkpoint: {ckpt_dir / tag} is invalid: kept aside as {aside.name}, so that neither retention "
+                "nor this run's own save of that step touches it; delete it when you no longer need it"
+            )
+        fsync_dir(ckpt_dir)
+    barrier(group)
+
+
 def find(
     ckpt_dir: Path,
     spec: str,

@@ -280,7 +280,6 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
                     "would mix its checkpoints with them: continue it with --resume, or set logging.run_dir "
                     f"to a new directory (or remove {ckpt_dir} yourself)"
                 )
-            rundir.record(run_dir, cfg, ds_config)
         except OutputError as e:
             refused = str(e)
     if refused := next((r for r in gather(refused, ctrl) if r), None):
@@ -304,8 +303,18 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
         )
         if resume_from is not None:
             checkpoint.check_compatible(resume_from, cfg, datasets, warn=dist.is_main)
+            checkpoint.place_resume(ckpt_dir, resume_from, spec, group=ctrl, report=dist.log)
         else:
             dist.log(f"no checkpoint to resume from in {ckpt_dir}: starting at step 0")
+    # The run's record, once nothing above refused the run: a refused run writes none.
+    refused = None
+    if dist.is_main:
+        try:
+            rundir.record(run_dir, cfg, ds_config)
+        except OutputError as e:
+            refused = str(e)
+    if refused := next((r for r in gather(refused, ctrl) if r), None):
+        raise OutputError(refused)
 
     if dist.is_main:
         start_wandb(

@@ -107,6 +107,47 @@ class RunDirLock:
             self.fd = None
 
 
+class CheckpointDirLock:
+    """An exclusive OS lock on the checkpoint dir itself (flock of the directory: no file is added
+    to it), held by rank 0 for the whole run beside the run dir's: two runs with their own run dirs
+    but one `checkpoint.dir` would otherwise prune each other's checkpoints. Where the file system
+    cannot lock a directory (NFS takes flock as a POSIX lock, which needs a file open for writing),
+    the lock is a `.lock` file in it."""
+
+    def __init__(self, ckpt_dir: Path) -> None:
+        self.path = ckpt_dir
+        self.lock: RunDirLock | None = None
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EACCES, errno.EAGAIN):
+                raise OutputError(
+                    f"checkpoint dir {self.path} is in use by another run (with a run dir of its own); two runs "
+                    "saving into one checkpoint dir would delete each other's checkpoints: set checkpoint.dir "
+                    "to another directory"
+                ) from e
+            self.lock = RunDirLock(self.path)  # a file lock instead
+            try:
+                self.lock.acquire()
+            except OutputError as again:
+                raise OutputError(str(again).replace("run dir", "checkpoint dir", 1)) from e
+            return
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
 def holder(run_dir: Path) -> str | None:
     """Who holds `run_dir`'s lock now (host, pid, since), or None if no run does. Takes nothing."""
     try:
@@ -122,7 +163,7 @@ def holder(run_dir: Path) -> str | None:
     return None
 
 
-_HELD: dict[str, RunDirLock] = {}  # this process's locks, released when it exits
+_HELD: dict[str, RunDirLock | CheckpointDirLock] = {}  # this process's locks, released when it exits
 
 
 def is_run_dir(run_dir: Path) -> bool:
@@ -136,7 +177,8 @@ def is_run_dir(run_dir: Path) -> bool:
 
 def claim(run_dir: Path, ckpt_dir: Path) -> RunDirLock:
     """Make `run_dir` this run's: create it, refuse one that holds files of the names a run writes
-    that no run wrote (a person's own config.yaml is never overwritten), and lock it."""
+    that no run wrote (a person's own config.yaml is never overwritten), and lock it and the
+    checkpoint dir (`CheckpointDirLock`)."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as e:
@@ -155,11 +197,23 @@ def claim(run_dir: Path, ckpt_dir: Path) -> RunDirLock:
                 "a run would overwrite them: set logging.run_dir to a new or empty directory"
             )
     key = str(run_dir.resolve())
-    if key in _HELD:  # this process ran in this dir before (runs one after another in one process)
-        _HELD.pop(key).release()
+    for held in (key, f"{key} checkpoints"):  # this process ran in this dir before (runs one after another)
+        if held in _HELD:
+            _HELD.pop(held).release()
     lock = _HELD[key] = RunDirLock(run_dir)
     try:
         lock.acquire()
     except PermissionError as e:
         raise OutputError(f"logging.run_dir {run_dir}: not writable ({e.strerror}); make it writable") from e
+    try:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return lock  # no checkpoint dir to lock: `checkpoint.preflight` names the problem and the fix
+    ckpt_lock = CheckpointDirLock(ckpt_dir)
+    try:
+        ckpt_lock.acquire()
+    except BaseException:
+        _HELD.pop(key).release()
+        raise
+    _HELD[f"{key} checkpoints"] = ckpt_lock
     return lock
