@@ -419,3 +419,50 @@ def test_resuming_the_newest_checkpoint_by_name_still_runs(small_run, char_datas
     (run / "checkpoints" / "latest").write_text(f"{name}\n")
     done = cli(*train_args(char_dataset, run, 4), "--resume", str(run / "checkpoints" / name))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+def test_a_checkpoints_meta_is_validated_and_sealed(small_run, char_dataset, tmp_path):
+    """`"step": "abc"` in the newest checkpoint's meta crashed `--resume auto` (no fallback), and a bad
+    config.model crashed export and sample: the meta is sealed at save (meta_sha256) and its fields
+    are checked on read, so it is one more invalid checkpoint, passed over or refused with why."""
+    import json
+
+    run = copy_run(small_run, tmp_path / "run")
+    meta_file = run / "checkpoints" / STEP_4 / checkpoint.META
+    meta = json.loads(meta_file.read_text())
+    assert len(meta["meta_sha256"]) == 64  # sealed at save
+    meta_file.write_text(json.dumps({**meta, "step": "abc"}))
+    problems = checkpoint.verify(run / "checkpoints" / STEP_4)
+    assert "'step' is 'abc', not a whole number" in "\n".join(problems)
+    assert "its content differs from the one written at save" in "\n".join(problems)
+    # an older checkpoint has no seal: the fields are still checked
+    unsealed = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    meta_file.write_text(json.dumps({**unsealed, "config": {**meta["config"], "model": {"n_layer": "many"}}}))
+    assert any("config.model.n_layer" in p for p in checkpoint.verify(run / "checkpoints" / STEP_4))
+    for command in (["export", str(run / "checkpoints" / STEP_4), "--out", str(tmp_path / "out")],
+                    ["sample", str(run / "checkpoints" / STEP_4), "--max-new-tokens", "2"]):  # fmt: skip
+        one_error(
+            cli(*command), f"{run / 'checkpoints' / STEP_4}: invalid checkpoint", "config.model.n_layer"
+        )
+    resumed = cli(*train_args(char_dataset, run, 5), "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert f"{run / 'checkpoints' / STEP_4} is invalid, skipped" in resumed.stdout + resumed.stderr
+    assert "Traceback" not in resumed.stderr
+
+
+def test_resume_in_another_precision_or_from_zero_0_at_zero_2_is_refused_with_the_fix(
+    small_run, char_dataset, tmp_path
+):
+    """An fp32 checkpoint resumed in bf16 died with `KeyError: 'dynamic_loss_scale'` inside DeepSpeed;
+    a ZeRO-0 one at ZeRO-2 was told to convert, and convert said there was nothing to convert."""
+    run = copy_run(small_run, tmp_path / "run")
+    one_error(
+        cli(*train_args(char_dataset, run, 6), "--resume", "--set=precision.bf16=true"),
+        "precision: the checkpoint was trained in fp32, this run is bf16",
+        "--set precision.bf16=false precision.fp16=false",
+    )
+    one_error(
+        cli(*train_args(char_dataset, run, 6), "--resume", "--set=zero.stage=2"),
+        "only at ZeRO-0",
+        "resume with --set zero.stage=0",
+    )

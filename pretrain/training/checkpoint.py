@@ -386,7 +386,7 @@ def save(
             save_seconds=round(time.perf_counter() - t0, 3),
             files=files,
         )
-        write_atomic(tmp_dir / META, json.dumps(meta, indent=1) + "\n")
+        write_atomic(tmp_dir / META, json.dumps(seal(meta), indent=1) + "\n")
         final = ckpt_dir / tag
         if final.exists():  # an earlier save of this step that never became `latest`
             final.rename(ckpt_dir / f"{_TRASH}{tag}-{os.getpid()}")
@@ -482,6 +482,48 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
+def seal(meta: dict[str, Any]) -> dict[str, Any]:
+    """`meta` with the sha256 of its own content (`meta_sha256`), which `verify` checks: the meta
+    file is read as much as any other, so an edit of it after save (a step, a config) is caught."""
+    rest = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    digest = hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+    return {**rest, "meta_sha256": digest}
+
+
+def meta_problems(path: Path, meta: dict[str, Any]) -> list[str]:
+    """What is wrong with a checkpoint's meta itself: its seal (where it has one: checkpoints of
+    older versions have none), and the types of the fields the readers use."""
+    problems = []
+    if "meta_sha256" in meta and seal(meta)["meta_sha256"] != meta["meta_sha256"]:
+        problems.append(f"{META}: its content differs from the one written at save (meta_sha256)")
+
+    def whole(key: str, value: Any) -> None:
+        if key in meta and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            problems.append(f"{META}: '{key}' is {value!r}, not a whole number")
+
+    for key in ("step", "tokens_seen", "world_size", "zero_stage"):
+        whole(key, meta.get(key))
+    for key in ("loader", "config"):
+        if key in meta and not isinstance(meta[key], dict):
+            problems.append(f"{META}: '{key}' is not a JSON object")
+    model = meta.get("config", {}).get("model") if isinstance(meta.get("config"), dict) else None
+    if model is not None:
+        from pydantic import ValidationError
+
+        from pretrain.config.tree import ModelConfig
+
+        try:
+            ModelConfig.model_validate(model)
+        except (ValidationError, TypeError, ValueError) as e:
+            first = e.errors()[0] if isinstance(e, ValidationError) else {"loc": (), "msg": str(e)}
+            where = ".".join(str(x) for x in first["loc"])
+            problems.append(f"{META}: config.model{'.' + where if where else ''}: {first['msg']}")
+    tag = meta.get("tag")
+    if step_of(path.name) is not None and tag is not None and tag != path.name:
+        problems.append(f"{META}: its tag {tag!r} is not its directory's name {path.name!r}")
+    return problems
+
+
 def verify(path: Path, *, checksums: bool = True, rank: int = 0, world: int = 1) -> list[str]:
     """Problems with a checkpoint directory: its meta, and every file its manifest lists (this
     rank's share of them: file i is checked by rank i % world). Empty if it is sound."""
@@ -494,6 +536,7 @@ def verify(path: Path, *, checksums: bool = True, rank: int = 0, world: int = 1)
     for key in ("step", "loader", "config", "tokens_seen"):
         if key not in meta:
             problems.append(f"{META} lacks '{key}'")
+    problems += meta_problems(path, meta)
     if not isinstance(files, dict) or not files:
         return [*problems, f"{META} lists no files"]
     for i, (rel, want) in enumerate(sorted(files.items())):
@@ -732,6 +775,13 @@ def find(
         world_size_s = f"{_ranks(world_size)} at ZeRO-{zero_stage}, tensor {tp} x pipeline {pp}"
     else:
         world_size_s = f"{_ranks(world_size)} at ZeRO-{zero_stage}"
+    if int(chosen.meta.get("zero_stage", 0)) == 0:  # DeepSpeed's converter takes ZeRO 1-3 only
+        raise CheckpointError(
+            f"{chosen.path} was saved on {saved}; this run has {world_size_s}. A ZeRO-0 checkpoint holds the "
+            "whole optimizer state and loads on any world size, but only at ZeRO-0 (DeepSpeed's universal "
+            f"converter takes ZeRO 1-3): resume with --set zero.stage=0, or carry the weights across with "
+            f"`pretrain export {chosen.path}` (without the optimizer state)"
+        )
     if not (uni / META).is_file():
         raise CheckpointError(
             f"{chosen.path} was saved on {saved}; this run has {world_size_s}. "
@@ -757,6 +807,17 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], 
             problems.append(f"model.{key}: checkpoint has {saved!r}, this run has {value!r}")
     if ckpt.meta.get("tokenizer_fingerprint") != datasets[0].manifest["tokenizer"]["fingerprint"]:
         problems.append("the tokenizer differs from the one the checkpoint was trained with")
+    saved_precision = ckpt.meta.get("precision", "fp32")
+    if saved_precision != cfg.precision.name:
+        # DeepSpeed's optimizer state differs in kind (fp16 keeps a loss scaler, bf16 and fp16 fp32
+        # master weights): loading one into the other fails inside DeepSpeed.
+        flags = {"fp32": "precision.bf16=false precision.fp16=false", "bf16": "precision.bf16=true",
+                 "fp16": "precision.fp16=true"}.get(str(saved_precision), "the checkpoint's precision")  # fmt: skip
+        problems.append(
+            f"precision: the checkpoint was trained in {saved_precision}, this run is {cfg.precision.name}; "
+            f"DeepSpeed cannot load one's optimizer state into the other. Resume with --set {flags}, or "
+            f"carry the weights across with `pretrain export {ckpt.path}` (without the optimizer state)"
+        )
     if problems:
         raise DataError(f"{ckpt.path}: cannot resume:\n  - " + "\n  - ".join(problems))
     if warn:
@@ -903,5 +964,5 @@ def _convert(src: Path, tmp: Path, out: Path, meta: dict[str, Any], workers: int
         if p.is_file()
     }
     umeta = {**meta, "format": "universal", "tag": f"{src.name}/{UNIVERSAL}", "files": files}
-    write_atomic(tmp / META, json.dumps(umeta, indent=1) + "\n")
+    write_atomic(tmp / META, json.dumps(seal(umeta), indent=1) + "\n")
     replace_dir(tmp, out)
