@@ -948,6 +948,18 @@ def main(argv: list[str] | None = None) -> int:
         if rank == "0" or not e.collective:
             print(f"error: {e}" if rank == "0" else f"error (rank {rank}): {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C where nothing asks for a clean stop (a second Ctrl-C in `train`, which saves on the
+        # first; any other command): one line, the shell's exit status for SIGINT.
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
+            what = (
+                "stopped at once, without saving; `--resume` continues from the newest checkpoint"
+                if args.command == "train"
+                else "stopped; what it had not finished is not written"
+            )
+            print(f"\ninterrupted (Ctrl-C): {what}", file=sys.stderr)
+        return 128 + signal.SIGINT
     except OSError as e:
         # A path that cannot be read or written (permissions, a full disk, a file where a directory
         # should be) that no check above named: still the machine's or a person's, still one line.

@@ -466,3 +466,35 @@ def test_resume_in_another_precision_or_from_zero_0_at_zero_2_is_refused_with_th
         "only at ZeRO-0",
         "resume with --set zero.stage=0",
     )
+
+
+def test_a_second_ctrl_c_in_train_is_one_line_not_a_traceback(char_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        # steps of a second or so: the second Ctrl-C comes while the first one's step still runs
+        [
+            str(BIN / "pretrain"),
+            *train_args(char_dataset, run_dir, 100000),
+            "--set=model.n_embd=256",
+            "--set=model.n_layer=4",
+            "--set=model.block_size=128",
+            "--set=batch.micro_batch_size=8",
+        ],  # fmt: skip
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while not (run_dir / "metrics.csv").is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)  # the first asks for a save and a stop ...
+    time.sleep(0.2)  # (two at once would be one: a pending signal is not queued twice)
+    proc.send_signal(signal.SIGINT)  # ... the second stops at once
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, out[-2000:] + err[-3000:]
+    assert "interrupted (Ctrl-C): stopped at once, without saving" in err and "Traceback" not in err, (
+        out[-3000:] + err[-3000:]
+    )
