@@ -13,6 +13,7 @@ validators, which `config`, `render`, `train`, `plan` and `preflight` import).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ from pretrain.cluster.launch import (
 )
 from pretrain.cluster.reach import LAUNCHERS, Launch, filter_hosts, is_this_machine
 from pretrain.cluster.reach import check as check_launch
-from pretrain.cluster.supervise import restart_count, supervise
+from pretrain.cluster.supervise import REFUSED_FILE, restart_count, supervise
 from pretrain.config.ds_keys import RECORD
 from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
 from pretrain.config.presets import DS_CONFIG_RENDERS, PRESETS, build, build_checked
@@ -944,6 +945,9 @@ def main(argv: list[str] | None = None) -> int:
     except PretrainError as e:
         # A person's mistake, or the machine's (a full disk): one message, no traceback. Raised on
         # every rank alike (collective), printed by rank 0; or by the one rank that saw it.
+        if refused := os.environ.get(REFUSED_FILE):  # under `train --max-restarts`: not to be retried
+            with contextlib.suppress(OSError):
+                Path(refused).write_text(f"{e}\n")
         rank = os.environ.get("RANK", "0")
         if rank == "0" or not e.collective:
             print(f"error: {e}" if rank == "0" else f"error (rank {rank}): {e}", file=sys.stderr)

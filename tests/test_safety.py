@@ -498,3 +498,16 @@ def test_a_second_ctrl_c_in_train_is_one_line_not_a_traceback(char_dataset, tmp_
     assert "interrupted (Ctrl-C): stopped at once, without saving" in err and "Traceback" not in err, (
         out[-3000:] + err[-3000:]
     )
+
+
+def test_max_restarts_does_not_retry_a_refused_run(small_run, char_dataset, tmp_path):
+    """`train --max-restarts` on a finished run: the first attempt was refused (an earlier run's
+    checkpoints), and the restart then resumed that run as if it had failed."""
+    run = copy_run(small_run, tmp_path / "run")
+    before = tree(run / "checkpoints")
+    done = cli(*train_args(char_dataset, run, 4), "--nproc-per-node", "1", "--max-restarts", "2")
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out[-3000:]
+    assert "holds the checkpoints of an earlier run" in out and "not restarting" in out, out[-3000:]
+    assert "attempt 2 of 3" not in out
+    assert tree(run / "checkpoints") == before

@@ -17,8 +17,12 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
+
+# Where a rank that stops with one of pretrain's own errors says so, for the supervisor (`supervise`).
+REFUSED_FILE = "PRETRAIN_REFUSED_FILE"
 
 # Where a rank learns that it was restarted: by this supervisor, torchrun, a requeued Slurm job.
 RESTART_COUNTS = ("PRETRAIN_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
@@ -81,16 +85,32 @@ def supervise(train_args: list[str], *, script: Path, nproc_per_node: int, max_r
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, forward)
     rc = 1
+    fd, name = tempfile.mkstemp(prefix="pretrain-refused-")
+    os.close(fd)
+    refused = Path(name)
     for attempt in range(max_restarts + 1):
         print(f"supervisor: attempt {attempt + 1} of {max_restarts + 1}: {' '.join(argv[1:])}", flush=True)
+        refused.unlink(missing_ok=True)
         # A session of its own, so that a terminal's Ctrl-C reaches the ranks once, through us.
-        env = {**os.environ, "PRETRAIN_RESTART_COUNT": str(attempt)}
+        env = {**os.environ, "PRETRAIN_RESTART_COUNT": str(attempt), REFUSED_FILE: str(refused)}
         child = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with(os.getpid()))
         rc = child.wait()
         if stop:
+            refused.unlink(missing_ok=True)
             return 128 + stop[0]  # the ranks saved and stopped, as asked
         if rc == 0:
+            refused.unlink(missing_ok=True)
             return 0
+        if refused.exists():
+            # A rank stopped with one of pretrain's own errors (a config, a run dir, a checkpoint, the
+            # data): the next attempt would meet it again, or resume what it was refused to touch.
+            refused.unlink(missing_ok=True)
+            print(
+                f"supervisor: attempt {attempt + 1} was refused (the error above); not restarting, since every "
+                "restart would meet it again",
+                flush=True,
+            )
+            return 2
         more = attempt < max_restarts
         print(
             f"supervisor: attempt {attempt + 1} failed (exit {rc}); "
