@@ -511,3 +511,14 @@ def test_max_restarts_does_not_retry_a_refused_run(small_run, char_dataset, tmp_
     assert "holds the checkpoints of an earlier run" in out and "not restarting" in out, out[-3000:]
     assert "attempt 2 of 3" not in out
     assert tree(run / "checkpoints") == before
+
+
+def test_a_resume_says_when_the_global_batch_or_the_seed_changes(small_run, char_dataset, tmp_path):
+    run = copy_run(small_run, tmp_path / "run")
+    done = cli(
+        *train_args(char_dataset, run, 5), "--resume", "--set=batch.micro_batch_size=4", "--set=seed=7"
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "changes the global batch from 2 to 4 sequences a step" in out
+    assert "seed: the checkpoint was trained with 1337, this run has 7" in out

@@ -821,7 +821,7 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], 
     if problems:
         raise DataError(f"{ckpt.path}: cannot resume:\n  - " + "\n  - ".join(problems))
     if warn:
-        for note in schedule_changes(ckpt, cfg):
+        for note in [*schedule_changes(ckpt, cfg), *batch_and_seed_changes(ckpt, cfg)]:
             print(f"warning: {note}", flush=True)
     saved_data = ckpt.meta.get("data_manifest_sha256")
     if warn and saved_data and saved_data != datasets_sha256(datasets):
@@ -830,6 +830,32 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], 
             "order will not continue exactly",
             flush=True,
         )
+
+
+def batch_and_seed_changes(ckpt: Checkpoint, cfg: RunConfig) -> list[str]:
+    """What a resume changes in the global batch and the seed, said at start."""
+    saved = ckpt.meta.get("config", {})
+    notes = []
+    batch = saved.get("batch", {})
+    parts = [batch.get(k) for k in ("micro_batch_size", "gradient_accumulation_steps", "data_parallel_size")]
+    if all(isinstance(x, int) for x in parts):
+        was = parts[0] * parts[1] * parts[2]
+        now = cfg.batch.sequences
+        if was != now:
+            b = cfg.batch
+            notes.append(
+                f"this resume changes the global batch from {was} to {now} sequences a step (micro x accumulation x "
+                f"data-parallel: {parts[0]} x {parts[1]} x {parts[2]} -> {b.micro_batch_size} x "
+                f"{b.gradient_accumulation_steps} x {b.data_parallel_size}): each step now takes {now / was:.3g} times "
+                "the tokens, while the LR schedule still counts steps. To keep the batch, set "
+                "batch.gradient_accumulation_steps for this world size"
+            )
+    if isinstance(saved.get("seed"), int) and saved["seed"] != cfg.seed:
+        notes.append(
+            f"seed: the checkpoint was trained with {saved['seed']}, this run has {cfg.seed}; the checkpoint's "
+            "random generators are restored, so the new seed only seeds what they do not cover"
+        )
+    return notes
 
 
 def schedule_changes(ckpt: Checkpoint, cfg: RunConfig) -> list[str]:
