@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -371,3 +372,30 @@ def test_tensor_and_pipeline_sections_render_and_read_back():
         {"pipeline": {"stages": "auto", "partition": "best"}, "tensor_parallel": {"autotp_size": 0}}
     )
     assert read.get("parallel") == {"tensor": 1}
+
+
+@pytest.mark.parametrize(
+    ("source", "needle"),
+    [
+        ("model:\n  n_layer: true\n", "n_layer: true is a yes/no, not a number"),
+        ("model:\n  n_layer: 010\n", "010: a number with a leading 0 reads as octal in YAML (8)"),
+        ("optimizer:\n  lr: false\n", "lr: false is a yes/no, not a number"),
+    ],
+)
+def test_a_yes_no_or_an_octal_where_a_number_goes_is_refused(source, needle, tmp_path):
+    """`n_layer: true` became 1 and `n_layer: 010` became 8, silently."""
+    from pretrain.config.presets import build
+
+    path = tmp_path / "run.yaml"
+    path.write_text(source)
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        build("tiny", config_file=path)
+    key, value = source.split(":")[0], source.split(":")[2].strip()
+    field = source.split("\n")[1].split(":")[0].strip()
+    with pytest.raises(
+        ConfigError, match=re.escape(needle.split(" reads")[0] if "octal" in needle else needle)
+    ):
+        build("tiny", overrides=[f"{key}.{field}={value}"])
+    assert (
+        build("tiny", overrides=["model.bias=true", "model.n_layer=3"]).model.n_layer == 3
+    )  # bools stay bools

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -40,6 +41,20 @@ class Section(BaseModel):
     rules across fields are `broken_rules`, all reported at once."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, data: Any) -> Any:
+        """`n_layer: true` is a mistake, not 1: pydantic reads a bool as an int (or a float)."""
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                value = data.get(name)
+                kinds = set(typing.get_args(field.annotation)) or {field.annotation}
+                if isinstance(value, bool) and kinds & {int, float} and bool not in kinds:
+                    raise ValueError(
+                        f"{name}: {str(value).lower()} is a yes/no, not a number (write the number)"
+                    )
+        return data
 
     def broken_rules(self, context: dict[str, Any]) -> list[str]:
         """One message for each cross-field rule this section breaks (`context`: the world size)."""
@@ -939,7 +954,9 @@ def parse_override(item: str) -> dict[str, Any]:
     if not sep or not key.strip():
         raise ConfigError([f"--set {item!r}: expected key=value, e.g. model.n_layer=4"], "override")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else raw
+        value = yaml.load(raw, _UniqueKeyLoader) if raw.strip() else raw
+    except yaml.constructor.ConstructorError as e:
+        raise ConfigError([f"--set {item!r}: {e.problem}"], "override") from None
     except yaml.YAMLError:
         value = raw
     out: dict[str, Any] = {}
@@ -952,7 +969,17 @@ def parse_override(item: str) -> dict[str, Any]:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last)."""
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last) and
+    a number with a leading zero, which YAML 1.1 reads as octal (`n_layer: 010` is 8)."""
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        text = str(node.value).replace("_", "").lstrip("+-")
+        if len(text) > 1 and text[0] == "0" and text[1].isdigit():
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{node.value}: a number with a leading 0 reads as octal in YAML "
+                f"({super().construct_yaml_int(node)}); write it without the 0", node.start_mark,
+            )  # fmt: skip
+        return int(super().construct_yaml_int(node))
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
@@ -964,6 +991,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
 
 
 def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
