@@ -29,6 +29,7 @@ from pretrain.cluster.launch import (
     launch_environment,
     launcher_world_size,
     read_hostfile,
+    valid_host,
     world_size,
 )
 from pretrain.cluster.reach import LAUNCHERS, Launch, filter_hosts, is_this_machine
@@ -74,6 +75,15 @@ PORT = _number(int, 1, high=65535)
 POSITIVE = _number(float, 0, above=True)  # sizes, seconds, rates, temperature
 FRACTION = _number(float, 0, above=True, high=1)
 WORKERS = _number(int, 0, high=1024)  # processes on one machine
+
+
+def HOST(text: str) -> str:
+    """A host name or IPv4 address, as a hostfile takes them (no shell metacharacters)."""
+    if not valid_host(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a host name or address (letters, digits, '.', '-' and '_' only)"
+        )
+    return text
 
 
 class Once(argparse.Action):
@@ -267,7 +277,7 @@ def _add_launch_parsers(sub: Any) -> None:
     p.add_argument("--hostfile", required=True, help="DeepSpeed hostfile: '<host> slots=<N>' lines.")
     _add_config_args(p)
     p.add_argument(
-        "--master-addr", help="Rank 0's address as the other hosts reach it (default: first host)."
+        "--master-addr", type=HOST, help="Rank 0's address as the other hosts reach it (default: first host)."
     )
     p.add_argument("--master-port", type=PORT, default=29500, help="Rendezvous port (default 29500).")
     p.add_argument("--ssh-port", type=PORT, help="ssh port, as deepspeed --ssh_port.")
@@ -326,7 +336,9 @@ def _add_launch_parsers(sub: Any) -> None:
     p.add_argument("--include", default="", help="As deepspeed --include: NAME[:SLOT,...][@NAME...].")
     p.add_argument("--exclude", default="", help="As deepspeed --exclude.")
     p.add_argument("--ssh-port", type=PORT, help="ssh port, as deepspeed --ssh_port.")
-    p.add_argument("--master-addr", help="Rank 0's address (default: the first host the launch uses).")
+    p.add_argument(
+        "--master-addr", type=HOST, help="Rank 0's address (default: the first host the launch uses)."
+    )
     p.add_argument("--master-port", type=PORT, default=29500, help="Rendezvous port (default 29500).")
     p.add_argument(
         "--script", default="launch-check", help="The name each line starts with (the launch script's)."

@@ -566,3 +566,22 @@ def test_launcher_world_size_reads_the_variables_launch_env_uses():
     assert launcher_world_size({"PMI_SIZE": "2", "PMI_RANK": "0"}) == 2
     assert launcher_world_size({"PMIX_RANK": "0"}) is None  # PMIx alone: mpi4py tells
     assert launcher_world_size({"RANK": "0", "WORLD_SIZE": "0"}) is None
+
+
+def test_a_host_listed_twice_in_another_case_is_refused():
+    """`node1` and `NODE1` are one machine: DeepSpeed would start its ranks twice there."""
+    from pretrain.errors import HostfileError
+
+    with pytest.raises(HostfileError, match="NODE1 is node1 again \\(host names ignore case\\)"):
+        parse_hostfile("node1 slots=2\nNODE1 slots=2\n")
+
+
+@pytest.mark.parametrize("command", ["preflight", "launch-check"])
+def test_a_master_address_with_shell_characters_is_refused(command, capsys):
+    from pretrain.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([command, *(["--hostfile"] if command == "preflight" else []), str(ROOT / "hostfiles" / "localhost"),
+              "--master-addr", "a;b"])  # fmt: skip
+    assert e.value.code == 2
+    assert "'a;b' is not a host name or address" in capsys.readouterr().err

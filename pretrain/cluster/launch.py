@@ -76,6 +76,11 @@ def parse_hostfile(text: str, source: str = "<text>") -> dict[str, int]:
             problems.append(f"{where}: zero slots; remove the line or give the number of accelerators")
         elif host in hosts:
             problems.append(f"{where}: {host} is listed twice; give each host one line with all its slots")
+        elif (same := next((h for h in hosts if h.lower() == host.lower()), None)) is not None:
+            problems.append(
+                f"{where}: {host} is {same} again (host names ignore case), which would start its ranks twice on "
+                "one machine; give each host one line with all its slots"
+            )
         else:
             hosts[host] = slots
     if not hosts and not problems:
