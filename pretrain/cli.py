@@ -336,9 +336,7 @@ def _add_launch_parsers(sub: Any) -> None:
     p.add_argument("--include", default="", help="As deepspeed --include: NAME[:SLOT,...][@NAME...].")
     p.add_argument("--exclude", default="", help="As deepspeed --exclude.")
     p.add_argument("--ssh-port", type=PORT, help="ssh port, as deepspeed --ssh_port.")
-    p.add_argument(
-        "--master-addr", type=HOST, help="Rank 0's address (default: the first host the launch uses)."
-    )
+    p.add_argument("--master-addr", help="Rank 0's address (default: the first host the launch uses).")
     p.add_argument("--master-port", type=PORT, default=29500, help="Rendezvous port (default 29500).")
     p.add_argument(
         "--script", default="launch-check", help="The name each line starts with (the launch script's)."

@@ -576,12 +576,12 @@ def test_a_host_listed_twice_in_another_case_is_refused():
         parse_hostfile("node1 slots=2\nNODE1 slots=2\n")
 
 
-@pytest.mark.parametrize("command", ["preflight", "launch-check"])
-def test_a_master_address_with_shell_characters_is_refused(command, capsys):
+def test_a_master_address_with_shell_characters_is_refused(capsys):
+    """preflight took `--master-addr 'a;b'` and reported the all-reduce it broke as a firewall problem
+    (launch-check gets its address from the launch scripts, which check it themselves)."""
     from pretrain.cli import main
 
     with pytest.raises(SystemExit) as e:
-        main([command, *(["--hostfile"] if command == "preflight" else []), str(ROOT / "hostfiles" / "localhost"),
-              "--master-addr", "a;b"])  # fmt: skip
+        main(["preflight", "--hostfile", str(ROOT / "hostfiles" / "localhost"), "--master-addr", "a;b"])
     assert e.value.code == 2
     assert "'a;b' is not a host name or address" in capsys.readouterr().err

@@ -479,7 +479,7 @@ def test_a_second_ctrl_c_in_train_is_one_line_not_a_traceback(char_dataset, tmp_
             "--set=model.n_layer=4",
             "--set=model.block_size=128",
             "--set=batch.micro_batch_size=8",
-        ],  # fmt: skip
+        ],
         cwd=ROOT,
         env=subprocess_env(),
         stdout=subprocess.PIPE,
