@@ -536,3 +536,22 @@ def test_the_bf16_advice_is_given_only_where_it_was_measured_to_pay(char_dataset
     assert small.returncode == 0 and wide.returncode == 0, small.stderr[-2000:] + wide.stderr[-2000:]
     assert "multiplies bf16 natively" not in small.stdout + small.stderr
     assert ("multiplies bf16 natively" in wide.stdout + wide.stderr) == (cpu_native_bf16() is not None)
+
+
+def test_a_resume_sets_aside_the_rows_an_abandoned_attempt_logged(small_run, char_dataset, tmp_path):
+    """Killed after step 4 with its newest checkpoint at step 2, a run's metrics.csv kept steps 3 and
+    4 twice once resumed: the dead attempt's rows are moved to metrics.abandoned.csv."""
+    import csv
+
+    run = copy_run(small_run, tmp_path / "run")
+    shutil.rmtree(run / "checkpoints" / STEP_4)
+    (run / "checkpoints" / "latest").write_text(f"{STEP_2}\n")
+    dead = [r for r in csv.DictReader((run / "metrics.csv").open()) if int(r["step"]) > 2]
+    assert dead
+    done = cli(*train_args(char_dataset, run, 4), "--resume")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "after step 2, of an attempt that stopped before its next checkpoint, moved to" in done.stdout
+    rows = list(csv.DictReader((run / "metrics.csv").open()))
+    assert len([r for r in rows if int(r["step"]) > 2]) == len(dead)  # the resumed run's own, once
+    aside = list(csv.DictReader((run / "metrics.abandoned.csv").open()))
+    assert [r["step"] for r in aside] == [r["step"] for r in dead] and aside[0]["loss"] == dead[0]["loss"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import io
 import math
 import os
 import resource
@@ -379,6 +380,15 @@ class MetricsLog:
         self.bar: Any = None
         if not enabled:
             return
+        for name, fields in (("metrics.csv", FIELDS), ("ranks.csv", RANK_FIELDS)):
+            moved = _set_aside_rows_after(run_dir / name, fields, start_step)
+            if moved:
+                print(
+                    f"{name}: {moved} row{'s' if moved > 1 else ''} after step {start_step}, of an attempt that "
+                    f"stopped before its next checkpoint, moved to {ABANDONED.format(Path(name).stem)}",
+                    file=out,
+                    flush=True,
+                )
         self._file, self._csv = _open_csv(self.path, FIELDS)
         self._rank_file, self._rank_csv = _open_csv(run_dir / "ranks.csv", RANK_FIELDS)
         if world_size is None:
@@ -455,6 +465,43 @@ class MetricsLog:
             writer = getattr(tb, "summary_writer", None)
             if writer is not None:
                 writer.flush()
+
+
+ABANDONED = "{}.abandoned.csv"  # rows of steps a resumed run trains again, kept beside the log
+
+
+def _set_aside_rows_after(path: Path, fields: list[str], step: int) -> int:
+    """Move the rows of steps after `step` (a resume's start: an attempt that died after its last
+    checkpoint logged them, and this run trains those steps again) from `path` to its
+    `*.abandoned.csv`, so that the log holds each step once; returns how many moved."""
+    if step <= 0 or not path.is_file():
+        return 0
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        header, rows = reader.fieldnames or fields, list(reader)
+
+    def after(row: dict[str, str]) -> bool:
+        try:
+            return int(row.get("step") or 0) > step
+        except ValueError:
+            return False
+
+    late = [r for r in rows if after(r)]
+    if not late:
+        return 0
+    aside = path.with_name(ABANDONED.format(path.stem))
+    fresh = not aside.exists()
+    with aside.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
+        if fresh:
+            w.writeheader()
+        w.writerows(late)
+    keep = io.StringIO()
+    w = csv.DictWriter(keep, fieldnames=header, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(r for r in rows if not after(r))
+    write_atomic(path, keep.getvalue())
+    return len(late)
 
 
 def _open_csv(path: Path, fields: list[str]) -> tuple[IO[str], csv.DictWriter[str]]:
