@@ -6,6 +6,7 @@ Most tests read what the shared 2-rank job (`two_ranks`, tests/conftest.py) left
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -19,7 +20,7 @@ import torch
 
 from pretrain.config.tree import CheckpointConfig
 from pretrain.training import checkpoint, guards
-from tests.conftest import CORPUS, ckpt, cli, torchrun
+from tests.conftest import BIN, CORPUS, ROOT, ckpt, cli, subprocess_env, torchrun
 
 # ---------------------------------------------------------------------------------------------
 # Exact resume, and saving on a signal
@@ -241,6 +242,36 @@ def test_disk_filling_up_mid_run_keeps_the_previous_checkpoint(char_dataset, tmp
     assert sorted(p.name for p in (disk / "ck").iterdir()) == ["latest", "step_00000002"]
     assert (disk / "ck" / "latest").read_text().strip() == "step_00000002"
     assert checkpoint.verify(disk / "ck" / "step_00000002") == []
+
+
+@pytest.mark.distributed
+def test_a_run_dir_that_fills_between_saves_is_one_line_naming_the_file(char_dataset, tmp_path, small_disk):
+    """The disk of the run dir fills while the run logs (TensorBoard on, as by default): TensorBoard's
+    writer thread printed a traceback, and metrics.csv's write `No space left on device` naming no
+    path. Now: one line each, naming the file, and the checkpoints (elsewhere) intact."""
+    import time
+
+    disk = small_disk("4m")
+    run = disk / "run"
+    proc = subprocess.Popen(
+        [str(BIN / "pretrain"), "train", CORPUS, f"--set=data.dataset_dir={char_dataset}",
+         f"--set=logging.run_dir={run}", f"--set=checkpoint.dir={tmp_path / 'ck'}", *TINY_RUN,
+         "--set=schedule.max_steps=1000000", "--set=checkpoint.interval=1000000"],
+        cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not ((run / "metrics.csv").is_file() and len((run / "metrics.csv").read_text().splitlines()) > 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    with (disk / "filler").open("wb") as f, contextlib.suppress(OSError):  # fills: whatever fits, then ENOSPC
+        while True:
+            f.write(b"\0" * 65536)
+            f.flush()
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 2, out[-2000:] + err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert f"{run}" in err and "cannot write (No space left on device" in err, err[-3000:]
+    assert "then continue with --resume auto" in err
 
 
 @pytest.mark.distributed

@@ -16,7 +16,9 @@ import math
 import os
 import resource
 import secrets
+import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +28,8 @@ import torch
 import torch.distributed as tdist
 from tqdm import tqdm
 
-from pretrain.files import write_atomic
+from pretrain.errors import OutputError
+from pretrain.files import format_bytes, write_atomic
 
 FIELDS = [
     "step",
@@ -380,6 +383,7 @@ class MetricsLog:
         self.bar: Any = None
         if not enabled:
             return
+        quiet_writer_threads(run_dir)
         for name, fields in (("metrics.csv", FIELDS), ("ranks.csv", RANK_FIELDS)):
             moved = _set_aside_rows_after(run_dir / name, fields, start_step)
             if moved:
@@ -407,6 +411,12 @@ class MetricsLog:
         """One row of metrics.csv, a line on stdout and (with `samples`, the x axis) monitor events."""
         if not self.enabled:
             return
+        try:
+            self._log(step, samples, **values)
+        except OSError as e:
+            raise write_failed(self.path, e) from None
+
+    def _log(self, step: int, samples: int | None = None, **values: Any) -> None:
         elapsed = time.perf_counter() - self.start
         row = {"step": step, "elapsed_s": round(elapsed, 3), **values}
         self._csv.writerow({k: _fmt(row.get(k)) for k in FIELDS})
@@ -427,9 +437,12 @@ class MetricsLog:
     def log_ranks(self, step: int, rows: list[dict[str, Any]], samples: int | None = None) -> None:
         if not self.enabled:
             return
-        for r in rows:
-            self._rank_csv.writerow({k: _fmt({"step": step, **r}.get(k)) for k in RANK_FIELDS})
-        self._rank_file.flush()
+        try:
+            for r in rows:
+                self._rank_csv.writerow({k: _fmt({"step": step, **r}.get(k)) for k in RANK_FIELDS})
+            self._rank_file.flush()
+        except OSError as e:
+            raise write_failed(self.path.with_name("ranks.csv"), e) from None
         if self.monitor is not None and samples is not None and len(rows) > 1:
             events = []
             for r in rows:
@@ -468,6 +481,43 @@ class MetricsLog:
 
 
 ABANDONED = "{}.abandoned.csv"  # rows of steps a resumed run trains again, kept beside the log
+
+
+class LogWriteError(OutputError):
+    """Rank 0 could not write its log (a full disk): printed by rank 0, the one that saw it."""
+
+    collective = False
+
+
+def write_failed(path: Path, e: OSError) -> LogWriteError:
+    """One message for a log that cannot be written, naming the file and the room left."""
+    where = Path(e.filename) if e.filename else path
+    try:
+        free = (
+            format_bytes(shutil.disk_usage(where.parent if not where.is_dir() else where).free)
+            + " free there"
+        )
+    except OSError:
+        free = "its filesystem unreadable"
+    return LogWriteError(
+        f"{where}: cannot write ({e.strerror or e}; {free}): free space there, or set logging.run_dir on "
+        "a larger filesystem, then continue with --resume auto (the checkpoints are intact)"
+    )
+
+
+def quiet_writer_threads(path: Path) -> None:
+    """A background writer (TensorBoard's event thread) that fails to write prints one line naming
+    the run dir, not a thread's traceback; the next metrics row then stops the run with the fix."""
+    default = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if isinstance(args.exc_value, OSError):
+            print(f"error: {write_failed(path, args.exc_value)} (in {args.thread.name if args.thread else 'a thread'})",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return
+        default(args)
+
+    threading.excepthook = hook
 
 
 def _set_aside_rows_after(path: Path, fields: list[str], step: int) -> int:
