@@ -167,7 +167,9 @@ def test_slurm_sbatch_on_a_real_two_node_slurm(cluster, char_dataset, single_hos
         subprocess.CompletedProcess(out.args, out.returncode, out.stdout + job), run_dir, single_host_losses
     )
     job_id = logs[0].stem.removeprefix("job-")
-    assert (tmp_path / f"pretrain-slurm-{job_id}.hostfile").read_text() == "node1 slots=1\nnode2 slots=1\n"
+    assert (tmp_path / f"pretrain-slurm-{job_id}.hostfile").read_text() == (
+        f"# launch/slurm.sbatch: the nodes of Slurm job {job_id}\nnode1 slots=1\nnode2 slots=1\n"
+    )
 
 
 @pytest.mark.parametrize("script", ["pdsh.sh", "mpirun.sh"])
