@@ -7,13 +7,21 @@ dataset, an export, a universal checkpoint) is staged beside its final name and 
 `replace_dir`, and only over a new or empty directory or a previous output of the same command
 (`check_output_dir`); a single file likewise only over none or a previous output (`not_ours`):
 never over what a person put there.
+
+`FileLock` is the OS lock (flock) a command holds on a lock file beside what it writes, so that a
+second writer is refused, and readers, while it writes.
 """
 
 from __future__ import annotations
 
 import csv
+import errno
+import fcntl
+import itertools
 import os
 import shutil
+import socket
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -202,3 +210,185 @@ def read_csv(path: Path) -> list[dict[str, float | None]]:
             {k: (float(v) if v not in ("", None) else None) for k, v in row.items()}
             for row in csv.DictReader(f)
         ]
+
+
+def read_csv_tolerant(
+    path: Path, columns: Iterable[str], max_line: int = 1 << 16
+) -> tuple[list[str], list[dict[str, float | None]], list[int]]:
+    """The numbers in `columns` of a CSV (metrics.csv) from a file that may be damaged or edited:
+    its header, its rows, and the line numbers of the rows left out because they are not numbers
+    there (a cell that is not a number, more cells than the header, bytes that are not UTF-8 text,
+    a line longer than `max_line` bytes). Empty or missing cells are None; other columns are not
+    read. Reading never fails on content."""
+    wanted = set(columns)
+    header: list[str] | None = None
+    rows: list[dict[str, float | None]] = []
+    bad: list[int] = []
+    with path.open("rb") as f:
+        for lineno in itertools.count(1):
+            raw = f.readline(max_line)
+            if not raw:
+                break
+            if len(raw) == max_line and not raw.endswith(b"\n"):  # skip the rest of a line that long
+                while (rest := f.readline(max_line)) and not rest.endswith(b"\n"):
+                    pass
+                bad.append(lineno)
+                continue
+            try:
+                cells = next(csv.reader([raw.decode("utf-8").rstrip("\r\n")]), [])
+            except (UnicodeDecodeError, csv.Error):
+                bad.append(lineno)
+                continue
+            if header is None:
+                header = [c.strip() for c in cells]
+                continue
+            if not cells:
+                continue  # a blank line
+            try:
+                if len(cells) > len(header):
+                    raise ValueError("more cells than the header")
+                row: dict[str, float | None] = dict.fromkeys(wanted)
+                row.update(
+                    {
+                        k: float(v) if v.strip() else None
+                        for k, v in zip(header, cells, strict=False)
+                        if k in wanted
+                    }
+                )
+            except ValueError:
+                bad.append(lineno)
+                continue
+            rows.append(row)
+    return header or [], rows, bad
+
+
+# ---------------------------------------------------------------------------------------------
+# Locks
+
+
+class FileLock:
+    """An OS lock (flock) on the file `path`: shared (readers) or exclusive (one writer, which
+    writes who it is into the file: `what`, host, pid, since when). It dies with its process,
+    kill -9 included, so nothing stale is ever left to clean up; `release` removes the file when
+    no other process holds it. Where the file cannot be made (a read-only directory) or the file
+    system has no locks, `acquire` succeeds without a lock (`locked` is False): readers of a
+    dataset on read-only storage still read it."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        self.path = path
+        self.what = what
+        self.fd: int | None = None
+        self.mode: int | None = None  # fcntl.LOCK_SH or LOCK_EX while held
+        self.locked = False
+
+    def acquire(self, *, exclusive: bool, wait: bool = False) -> bool:
+        """Take the lock; False if another process holds it in a conflicting mode (never with
+        `wait`, which blocks until it is free). Any lock this object held before is dropped first."""
+        self.release(remove=False)
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError:
+                try:
+                    fd = os.open(self.path, os.O_RDONLY)  # a reader's lock needs no write access
+                except OSError:
+                    return self._unlocked(mode)
+            try:
+                fcntl.flock(fd, mode | (0 if wait else fcntl.LOCK_NB))
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EAGAIN, errno.EACCES):
+                    return False
+                return self._unlocked(mode)  # ENOLCK, EOPNOTSUPP...: no locks on this file system
+            # The holder before us may have removed the file (and another process made a new one)
+            # between our open and our lock: then ours is the lock of no file; take that one's.
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except OSError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        self.fd, self.mode, self.locked = fd, mode, True
+        if exclusive:
+            since = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+            line = f"{self.what}, host {socket.gethostname()}, pid {os.getpid()}, since {since}\n"
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, line.encode(), 0)
+            except OSError:
+                pass  # opened read-only: the lock holds, it just names no one
+        return True
+
+    def _unlocked(self, mode: int) -> bool:
+        self.fd, self.mode, self.locked = None, mode, False
+        return True
+
+    def release(self, *, remove: bool = True) -> None:
+        """Drop the lock; with `remove`, delete the file unless another process holds it too."""
+        if self.fd is None:
+            self.mode = None
+            return
+        fd, self.fd, self.mode, self.locked = self.fd, None, None, False
+        try:
+            if remove:
+                try:
+                    # Exclusive now (a reader converts: if another holds it, it simply fails).
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    if os.path.samestat(os.fstat(fd), os.stat(self.path)):
+                        os.unlink(self.path)
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)  # closing drops the lock
+
+    def holder(self) -> str:
+        """Who holds the lock, in words: the exclusive holder's own line, or the processes on this
+        host that hold it (from /proc/locks, Linux), with their command lines."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return "a process that has released it since"
+        try:
+            line = os.pread(fd, 512, 0).decode("utf-8", errors="replace").strip()
+            holders = _lock_holders(os.fstat(fd))
+        finally:
+            os.close(fd)
+        writers = [h for h in holders if h[1] == "WRITE"]
+        if line and (writers or not holders):
+            return line  # the writer wrote it: on this host, or another one
+        if holders:
+            return "; ".join(f"pid {pid} on this host ({_command_line(pid)})" for pid, _ in holders[:3]) + (
+                f" and {len(holders) - 3} more" if len(holders) > 3 else ""
+            )
+        return "another process (on another host, or one /proc/locks does not list)"
+
+
+def _lock_holders(st: os.stat_result) -> list[tuple[int, str]]:
+    """(pid, READ or WRITE) of every other process on this host holding a flock on the file `st`."""
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    found: dict[int, str] = {}
+    for line in lines:
+        parts = line.split()  # "1: FLOCK  ADVISORY  READ 1234 fe:00:5308674 0 EOF"; waiters have "->"
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == key and parts[4].isdigit():
+            pid = int(parts[4])
+            if pid != os.getpid():
+                found.setdefault(pid, parts[3])
+    return sorted(found.items())
+
+
+def _command_line(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "command unknown"
+    words = [w.decode("utf-8", errors="replace") for w in raw.split(b"\0") if w]
+    words[:1] = [Path(words[0]).name] if words else []
+    text = " ".join(words)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -17,7 +17,7 @@ import itertools
 import json
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -58,6 +58,7 @@ class Chunk:
     data: bytes | None = None  # a compressed file's piece, decompressed by the main process
     texts: tuple[str | None, ...] | None = None  # a streamed dataset's rows
     row0: int = 0  # a dataset's Arrow file: the dataset's row index of the file's first row
+    split: str = ""  # its file's (InputFile.split): "val", "train", or "" (split by name)
 
 
 _SCAN = 1 << 16
@@ -342,9 +343,10 @@ def plan_tasks(
     task: list[Chunk] = []
     size = 0
     for file in files:
-        for chunk in file_chunks(
+        for piece in file_chunks(
             file, chunk_bytes=chunk_bytes, text_split_bytes=text_split_bytes, text_field=text_field
         ):
+            chunk = replace(piece, split=file.split) if file.split else piece
             n = (
                 len(chunk.data)
                 if chunk.data is not None

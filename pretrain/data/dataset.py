@@ -5,10 +5,16 @@ A dataset directory (written by prepare.py) holds `manifest.json` (the tokenizer
 its token count and sha256, the data config and a report), `tokenizer.json`, and the shards
 `train_NNNNN.bin` / `val_NNNNN.bin` (shards.py). The manifest is written last: a directory
 without one is not a dataset.
+
+Beside the directory (not in it: it is swapped whole) `.NAME.lock` is the dataset's OS lock:
+`prepare` holds it exclusively while it rebuilds the dataset, and a run that reads the dataset
+holds it shared from `open_datasets` until it exits, so that no prepare swaps the shards under a
+running run, and no run opens a half-swapped directory.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 from dataclasses import dataclass
@@ -19,7 +25,7 @@ from pretrain.config.tree import DataConfig, RunConfig
 from pretrain.data.shards import ShardInfo, dtype_for_vocab, read_header
 from pretrain.data.tokenizer import GPT2_VOCAB_SIZE, Tokenizer
 from pretrain.errors import ConfigError, DataError
-from pretrain.files import write_atomic
+from pretrain.files import FileLock, write_atomic
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2
@@ -27,6 +33,50 @@ TOKENIZER_FILE = "tokenizer.json"
 SPLITS = ("train", "val")
 # The vocabulary of a char-level model before its data is prepared: tiny-shakespeare's 65 characters.
 CHAR_VOCAB_GUESS = 65
+# The smallest vocabulary a model can learn anything from (ModelConfig.vocab_size's bound).
+MIN_VOCAB = 2
+PREPARE_LOCK_HOLDER = "pretrain data prepare"
+
+
+# ---------------------------------------------------------------------------------------------
+# The lock
+
+
+def dataset_lock(dataset_dir: Path) -> FileLock:
+    """The dataset's lock: `.NAME.lock` beside its (resolved) directory, which is swapped whole."""
+    real = dataset_dir.resolve()
+    return FileLock(real.parent / f".{real.name}.lock", PREPARE_LOCK_HOLDER)
+
+
+_READING: dict[Path, FileLock] = {}  # the datasets this process reads, locked shared until it exits
+
+
+def _lock_for_reading(dataset_dir: Path) -> bool:
+    """Lock the dataset shared for this process (True), unless it is already (False)."""
+    key = dataset_dir.resolve()
+    if key in _READING:
+        return False
+    lock = dataset_lock(dataset_dir)
+    if not lock.acquire(exclusive=False):
+        raise DataError(
+            f"{dataset_dir}: being rebuilt right now by {lock.holder()}; a run started now would read a "
+            "dataset that is being replaced: start it again once that has finished"
+        )
+    _READING[key] = lock
+    return True
+
+
+def stop_reading(dataset_dir: Path) -> None:
+    """Drop this process's reader lock on the dataset (before this process rebuilds it)."""
+    lock = _READING.pop(dataset_dir.resolve(), None)
+    if lock is not None:
+        lock.release()
+
+
+@atexit.register
+def _stop_reading_all() -> None:
+    for key in list(_READING):
+        _READING.pop(key).release()
 
 
 def write_manifest(
@@ -138,11 +188,31 @@ def open_datasets(cfg: DataConfig) -> list[Dataset]:
     """The datasets a run trains on (data.blend, or the one prepared from data.corpus), each
     checked against this config's tokenizer and against its own shards' headers."""
     weights = [b.weight for b in cfg.blend] or [1.0]
-    datasets = [Dataset(d, load_manifest(d), w) for d, w in zip(dataset_dirs(cfg), weights, strict=True)]
+    dirs = dataset_dirs(cfg)
+    locked = [d for d in dirs if _lock_for_reading(d)]  # until this process exits: no prepare swaps them
+    try:
+        datasets = _checked(
+            cfg, [Dataset(d, load_manifest(d), w) for d, w in zip(dirs, weights, strict=True)]
+        )
+    except BaseException:
+        for d in locked:
+            stop_reading(d)
+        raise
+    return datasets
+
+
+def _checked(cfg: DataConfig, datasets: list[Dataset]) -> list[Dataset]:
+    """`datasets`, each checked against `cfg`'s tokenizer, the first one's, and its shards' headers."""
     first = datasets[0]
     for ds in datasets:
         where = ds.dir / MANIFEST
         tok = ds.manifest["tokenizer"]
+        if int(tok["vocab_size"]) < MIN_VOCAB:
+            raise DataError(
+                too_small_vocab(
+                    f"{ds.dir}: prepared with", tok["type"], int(tok["vocab_size"]), prepared=True
+                )
+            )
         if tok["type"] != cfg.tokenizer:
             raise DataError(
                 f"{where}: prepared with the {tok['type']} tokenizer (vocab {tok['vocab_size']}), "
@@ -183,12 +253,49 @@ def summary(manifest: dict[str, Any]) -> str:
     return f"{counts}, vocab {tok['vocab_size']} ({tok['type']}, {tok.get('dtype', '?')})"
 
 
+def too_small_vocab(
+    where: str, kind: str, vocab: int, chars: list[str] | None = None, *, prepared: bool = False
+) -> str:
+    """The one message for a vocabulary a model cannot learn from (fewer than MIN_VOCAB tokens)."""
+    held = f" (the corpus holds only {', '.join(repr(c) for c in chars)})" if chars else ""
+    return (
+        f"{where} a {kind} tokenizer of {vocab} token{'s' if vocab != 1 else ''}{held}: a model needs a "
+        f"vocabulary of at least {MIN_VOCAB} to learn anything (with one token every prediction is right: "
+        f"loss 0); use a corpus of at least {MIN_VOCAB} distinct characters, or data.tokenizer=gpt2 or bpe"
+        + (", and prepare it again (`pretrain data prepare --force`)" if prepared else "")
+    )
+
+
 def datasets_sha256(datasets: list[Dataset]) -> str:
-    """What a run trains on: every dataset's manifest (shards with their sha256) and blend weight."""
+    """What a run trains on: every dataset's tokenizer, its shards (name, counts, sha256) and its
+    blend weight, from the manifest the run opened. Not the manifest's bytes: a dataset rebuilt
+    byte for byte (a deleted shard) has other timings in its report, and the same tokens."""
     h = hashlib.sha256()
     for d in datasets:
-        h.update((d.dir / MANIFEST).read_bytes() + f"\n{d.weight!r}\n".encode())
+        m = d.manifest
+        tok = {k: m["tokenizer"].get(k) for k in ("type", "vocab_size", "fingerprint", "eot_token")}
+        shards = {
+            split: [[e["path"], int(e["n_tokens"]), int(e["n_docs"]), e["sha256"]] for e in m[split]]
+            for split in SPLITS
+        }
+        h.update(
+            json.dumps({"tokenizer": tok, **shards, "weight": d.weight}, sort_keys=True).encode() + b"\n"
+        )
     return h.hexdigest()
+
+
+def same_data(saved_sha256: str, datasets: list[Dataset]) -> bool:
+    """Whether a checkpoint's `datasets_sha256` names these datasets: by their tokens, or (a
+    checkpoint saved before that rule) by their manifests' bytes."""
+    if saved_sha256 == datasets_sha256(datasets):
+        return True
+    h = hashlib.sha256()
+    try:
+        for d in datasets:
+            h.update((d.dir / MANIFEST).read_bytes() + f"\n{d.weight!r}\n".encode())
+    except OSError:
+        return False
+    return saved_sha256 == h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,6 +327,15 @@ def resolve_vocab(cfg: RunConfig, tokenizer_vocab: int | None = None) -> RunConf
     vocab = cfg.model.vocab_size
     if tokenizer_vocab is None:
         tokenizer_vocab = vocab_size(cfg)[0]
+    if tokenizer_vocab < MIN_VOCAB:
+        raise DataError(
+            too_small_vocab(
+                f"{dataset_dirs(cfg.data)[0]}: prepared with",
+                cfg.data.tokenizer,
+                tokenizer_vocab,
+                prepared=True,
+            )
+        )
     if vocab is None:
         return cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": tokenizer_vocab})})
     if vocab < tokenizer_vocab:

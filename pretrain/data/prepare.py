@@ -13,22 +13,31 @@ imports out of a script's top level.
 The dataset is built in a staging directory next to `cfg.resolved_dir()` and swapped in whole
 at the end, manifest written last: a failed or interrupted run leaves the previous dataset as it
 was, and no file under the final name that looks complete but isn't. A second run with the same
-config and input is a no-op; a different one is refused unless `force`.
+config and input is a no-op; a different one is refused unless `force`. The dataset's OS lock
+(dataset.py) is held exclusively while it is built, so two prepares never build one directory at
+once, nor one under a run that reads it. SIGINT and SIGTERM stop a prepare at once, workers
+included, and leave the previous dataset as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
+import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Generator, Iterator
-from concurrent.futures import Executor, Future, ProcessPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,15 +48,26 @@ from pretrain.data.chunks import Chunk, Document, plan_tasks, read_chunk
 from pretrain.data.clean import Cleaner, CleanStats
 from pretrain.data.dataset import (
     MANIFEST,
+    MIN_VOCAB,
     SPLITS,
     TOKENIZER_FILE,
+    dataset_lock,
     load_manifest,
     open_datasets,
+    stop_reading,
+    too_small_vocab,
     write_manifest,
 )
 from pretrain.data.dedup import NEAR_DEDUP, ExactDedup, MinHasher, NearDedup, exact_hash, shingle_hashes
 from pretrain.data.shards import ShardInfo, ShardWriter, dtype_for_vocab
-from pretrain.data.sources import DOWNLOADS, HFOptions, format_of, iter_input_files
+from pretrain.data.sources import (
+    DOWNLOADS,
+    HF_PREFIX,
+    HFOptions,
+    format_of,
+    is_saved_dataset,
+    iter_input_files,
+)
 from pretrain.data.tokenizer import (
     BPE_RANKS_FILE,
     BPETokenizer,
@@ -57,7 +77,7 @@ from pretrain.data.tokenizer import (
     count_words,
 )
 from pretrain.errors import DataError, require
-from pretrain.files import check_output_dir, format_bytes, replace_dir
+from pretrain.files import FileLock, check_output_dir, format_bytes, replace_dir
 
 # DataConfig fields that do not change what prepare writes (where inputs come from, how many
 # workers, what the loader does): a change in them keeps a prepared dataset valid.
@@ -133,16 +153,32 @@ def _init_worker(setup: _Setup) -> None:
         _worker["minhash"] = MinHasher(setup.clean.minhash_perms)
 
 
-def _documents(task: list[Chunk], stats: CleanStats) -> Iterator[Document]:
+def _init_pool_worker(setup: _Setup, main_alive: multiprocessing.connection.Connection) -> None:
+    """A worker process: Ctrl-C at a terminal (sent to the whole process group) is the main
+    process's to handle, and the worker ends when the main process is gone, even by kill -9."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_main, args=(main_alive,), daemon=True).start()
+    _init_worker(setup)
+
+
+def _exit_with_main(main_alive: multiprocessing.connection.Connection) -> None:
+    """Only the main process holds the pipe's other end: end of file means it is gone."""
+    with contextlib.suppress(EOFError, OSError):
+        main_alive.recv_bytes()
+    os._exit(1)
+
+
+def _documents(task: list[Chunk], stats: CleanStats) -> Iterator[tuple[Chunk, Document]]:
     setup: _Setup = _worker["setup"]
     for chunk in task:
-        yield from read_chunk(chunk, setup.text_field, _worker["cleaner"], stats)
+        for doc in read_chunk(chunk, setup.text_field, _worker["cleaner"], stats):
+            yield chunk, doc
 
 
 def _chars_task(task: list[Chunk]) -> tuple[set[str], CleanStats]:
     stats = CleanStats()
     chars: set[str] = set()
-    for doc in _documents(task, stats):
+    for _, doc in _documents(task, stats):
         chars.update(doc.text)
     return chars, stats
 
@@ -154,7 +190,7 @@ def _words_task(
     stats = CleanStats()
     counts: Counter[bytes] = Counter()
     lengths: list[int] = []
-    for doc in itertools.islice(_documents(task, stats), max_docs):
+    for _, doc in itertools.islice(_documents(task, stats), max_docs):
         count_words(doc.text, counts)
         lengths.append(len(doc.text))
     return counts, lengths, stats
@@ -166,7 +202,13 @@ def _encode_task(task: list[Chunk]) -> _Encoded:
     tok = setup.tokenizer
     assert tok is not None
     stats = CleanStats()
-    docs = list(_documents(task, stats))
+    found = list(_documents(task, stats))
+    docs = [d for _, d in found]
+    # A dataset's own validation split goes to val, the rest of it to train; else by name.
+    is_val = [
+        c.split == "val" if c.split else is_val_document(d.name, setup.seed, setup.val_fraction)
+        for c, d in found
+    ]
     n = len(docs)
     data = [d.text.encode("utf-8", errors="surrogatepass") for d in docs]
     hashes = np.zeros(n, dtype=np.uint64)
@@ -192,7 +234,7 @@ def _encode_task(task: list[Chunk]) -> _Encoded:
             lengths[i] += 1
     return _Encoded(
         names=[d.name for d in docs],
-        is_val=np.array([is_val_document(d.name, setup.seed, setup.val_fraction) for d in docs], dtype=bool),
+        is_val=np.array(is_val, dtype=bool),
         hashes=hashes,
         sizes=np.array([len(b) for b in data], dtype=np.int64),
         lengths=lengths,
@@ -210,6 +252,63 @@ def _encode_task(task: list[Chunk]) -> _Encoded:
 T = TypeVar("T")
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped a prepare. Raised in the main thread (held back while worker
+    processes start or stop, or the dataset is swapped in), so that every `finally` runs: the
+    workers are stopped, the staging directory removed, the lock released. Its message says what
+    is left; `signum` gives the exit status (128 + signum)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        super().__init__(f"interrupted ({self.what}): data prepare stopped")
+
+
+class _Signals:
+    depth = 0  # inside `_uninterrupted`: a signal is held until it ends
+    held: int | None = None
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    if _Signals.depth:
+        _Signals.held = _Signals.held or signum
+        return
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM while worker processes start or stop (a process left half started
+    would outlive this one) or the dataset is swapped in; raise Interrupted once it is done."""
+    _Signals.depth += 1
+    try:
+        yield
+    finally:
+        _Signals.depth -= 1
+        if _Signals.depth == 0 and _Signals.held is not None:
+            signum, _Signals.held = _Signals.held, None
+            raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _stopping_on_signals() -> Iterator[None]:
+    """While prepare runs: SIGINT and SIGTERM raise Interrupted (instead of a traceback, or of a
+    death that leaves the workers behind), where this process (its main thread) has no handler of
+    its own for them; `train` installs its own only after prepare."""
+    installed: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+                installed[sig] = signal.signal(sig, _on_signal)
+    try:
+        yield
+    finally:
+        for signum, previous in installed.items():
+            signal.signal(signum, previous)
+        if installed:
+            _Signals.held = None
+
+
 class _Workers:
     """Runs task functions in order over a stream of tasks: in worker processes, or in this
     process when there is only one task (or workers=0)."""
@@ -225,24 +324,51 @@ class _Workers:
             for task in tasks:
                 yield task, fn(task)
             return
-        executor: Executor = ProcessPoolExecutor(
-            self.n, mp_context=_mp_context(), initializer=_init_worker, initargs=(setup,)
-        )
+        # The workers watch the read end: end of file when this process is gone, even by kill -9.
+        main_alive, keep_alive = multiprocessing.Pipe(duplex=False)
+        executor: ProcessPoolExecutor | None = None
         pending: deque[tuple[list[Chunk], Future[T]]] = deque()
+        finished = False
         try:
+            with _uninterrupted():
+                executor = ProcessPoolExecutor(
+                    self.n,
+                    mp_context=_mp_context(),
+                    initializer=_init_pool_worker,
+                    initargs=(setup, main_alive),
+                )
             # A bounded window of tasks in flight: memory stays constant however large the corpus.
             for task in tasks:
-                pending.append((task, executor.submit(fn, task)))
+                with _uninterrupted():  # a submit may start a worker process
+                    pending.append((task, executor.submit(fn, task)))
                 if len(pending) > 2 * self.n:
                     t, fut = pending.popleft()
                     yield t, fut.result()
             while pending:
                 t, fut = pending.popleft()
                 yield t, fut.result()
+            finished = True
         finally:
-            for _, fut in pending:
-                fut.cancel()
-            executor.shutdown(wait=True, cancel_futures=True)
+            with _uninterrupted():
+                for _, fut in pending:
+                    fut.cancel()
+                if executor is not None:
+                    if not finished:  # an error, a signal, or the caller is done: stop them at once
+                        _terminate(executor)
+                    executor.shutdown(wait=True, cancel_futures=True)
+                main_alive.close()
+                keep_alive.close()
+
+
+def _terminate(executor: ProcessPoolExecutor) -> None:
+    """Stop the pool's workers now, not after their current task (shutdown then reaps them)."""
+    stop = getattr(executor, "terminate_workers", None)  # Python 3.14
+    if stop is not None:
+        stop()
+        return
+    for p in list((getattr(executor, "_processes", None) or {}).values()):
+        with contextlib.suppress(OSError, ValueError):
+            p.terminate()
 
 
 def _mp_context() -> multiprocessing.context.BaseContext:
@@ -253,6 +379,14 @@ def _mp_context() -> multiprocessing.context.BaseContext:
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
+    if threading.current_thread() is threading.main_thread():
+        # Started with SIGINT ignored, the fork server and every worker it forks inherit that from
+        # birth: a Ctrl-C to the process group while a worker is still starting prints nothing.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            forkserver.ensure_running()
+        finally:
+            signal.signal(signal.SIGINT, previous)
     return ctx
 
 
@@ -267,8 +401,9 @@ def _worker_count(cfg: DataConfig) -> int:
     return 0 if n_tasks <= 1 else min(wanted, n_tasks)
 
 
-def _inputs(cfg: DataConfig) -> Iterator[Any]:
-    hf = HFOptions(cfg.hf_config, cfg.hf_split, cfg.hf_streaming)
+def _inputs(cfg: DataConfig, *, with_val: bool = True) -> Iterator[Any]:
+    """The input files; a Hugging Face dataset's own validation split too (`with_val`), last."""
+    hf = HFOptions(cfg.hf_config, cfg.hf_split, cfg.hf_streaming, with_val=with_val)
     return iter_input_files(
         cfg.corpus, fmt=cfg.format, download_dir=cfg.download_dir, source=cfg.source, hf=hf
     )
@@ -285,19 +420,46 @@ def _tasks(cfg: DataConfig) -> Iterator[list[Chunk]]:
 
 def input_fingerprint(cfg: DataConfig, fetch: bool = True) -> dict[str, Any]:
     """Files, bytes, and a digest of every input file's name and identity (size and mtime, or
-    the sha256 of a download), walked without reading them. With fetch=False a downloadable
-    corpus is not fetched: its digest is known from its sha256 alone (its bytes are then None)."""
+    the sha256 of a download), walked without reading them; a dataset's own validation split
+    apart, under "val" (None: it has none). With fetch=False a downloadable corpus is not fetched:
+    its digest is known from its sha256 alone (its bytes are then None), and a stream's splits are
+    not looked up ("val" left out)."""
     h = hashlib.sha256()
     if not fetch and cfg.corpus in DOWNLOADS:
         d = DOWNLOADS[cfg.corpus]
         h.update(f"{d.filename}\0sha256:{d.sha256}\0{format_of(Path(d.filename), cfg.format)}\n".encode())
         return {"files": 1, "bytes": None, "digest": h.hexdigest()}
-    n, total = 0, 0
-    for f in _inputs(cfg):
-        h.update(f"{f.name}\0{f.identity}\0{f.format}\n".encode())
+    legacy, val = hashlib.sha256(), hashlib.sha256()
+    n, total, has_legacy, val_name, n_val, val_bytes = 0, 0, False, "", 0, 0
+    looks_up_val = fetch or not (cfg.hf_streaming and cfg.corpus.startswith(HF_PREFIX))
+    for f in _inputs(cfg, with_val=looks_up_val):
+        line = f"{f.name}\0{f.identity}\0{f.format}\n"
+        if f.split == "val":
+            val.update(line.encode())
+            val_name, n_val, val_bytes = val_name or f.name, n_val + 1, val_bytes + f.size
+            continue
+        h.update(line.encode())
+        legacy.update(f"{f.legacy_name or f.name}\0{f.identity}\0{f.format}\n".encode())
+        has_legacy |= f.legacy_name is not None
         n += 1
         total += f.size
-    return {"files": n, "bytes": total, "digest": h.hexdigest()}
+    out: dict[str, Any] = {"files": n, "bytes": total, "digest": h.hexdigest()}
+    if has_legacy:
+        out["legacy_digest"] = legacy.hexdigest()  # as named before: a dataset prepared then matches
+    if looks_up_val and _is_hf(cfg.corpus):
+        split = val_name[val_name.rfind("[") + 1 : -1] if val_name.endswith("]") else val_name
+        out["val"] = (
+            {"split": split, "files": n_val, "bytes": val_bytes, "digest": val.hexdigest()} if n_val else None
+        )
+    return out
+
+
+def _is_hf(corpus: str) -> bool:
+    """A Hugging Face dataset: hf:NAME, or a save_to_disk directory."""
+    if corpus.startswith(HF_PREFIX):
+        return True
+    path = Path(os.path.expanduser(corpus))
+    return path.is_dir() and is_saved_dataset(path)
 
 
 @dataclass
@@ -411,6 +573,8 @@ def _fit_tokenizer(
             raise DataError(
                 f"{cfg.corpus}: no document left after cleaning and filtering; nothing to fit a vocabulary on"
             )
+        if len(chars) < MIN_VOCAB:
+            raise DataError(too_small_vocab(f"{cfg.corpus}: would make", "char", len(chars), sorted(chars)))
         return CharTokenizer(sorted(chars))
     counts: Counter[bytes] = Counter()
     n_chars = 0
@@ -450,8 +614,10 @@ def _encode(
     *,
     log: Callable[[str], None] | None,
     total: int | None = None,
+    own_val: str | None = None,
 ) -> tuple[dict[str, list[ShardInfo]], dict[str, Any]]:
-    """Tokenize every task in the workers; here, in corpus order: dedup, split, write the shards."""
+    """Tokenize every task in the workers; here, in corpus order: dedup, split, write the shards.
+    `own_val`: the name of the dataset's own validation split, which is val (no split by hash)."""
     clean = cfg.clean
     dtype = dtype_for_vocab(tok.vocab_size)
     writers = {s: ShardWriter(staging, s, dtype, shard_tokens=cfg.shard_tokens) for s in SPLITS}
@@ -483,6 +649,8 @@ def _encode(
                 f"{cfg.corpus}: no document left after cleaning and filtering ({_one_line(stats)})"
             )
         notes = _write_last(cfg, tok, writers, held, kept=kept)
+        if own_val:
+            notes.insert(0, f"val is the dataset's own {own_val!r} split (data.val_fraction not used)")
         shards = {s: writers[s].close() for s in SPLITS}
     except BaseException:
         for w in writers.values():
@@ -500,7 +668,9 @@ def _encode(
         shards=shards,
         seconds=time.perf_counter() - t0,
     )
-    report["warnings"] = _split_warnings(cfg, tokens=report["tokens"], kept=kept, largest=largest)
+    report["warnings"] = (
+        [] if own_val else _split_warnings(cfg, tokens=report["tokens"], kept=kept, largest=largest)
+    )
     # CPU seconds: tasks (in the workers, or here with none) and this process's own share.
     main_cpu = time.process_time() - cpu0 - (worker_cpu if workers.n == 0 else 0.0)
     report["cpu_seconds"] = {"tasks": round(worker_cpu, 3), "main": round(main_cpu, 3)}
@@ -687,75 +857,304 @@ def _remove_stale(out: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _up_to_date(out: Path, cfg: DataConfig, inputs: dict[str, Any]) -> bool:
-    """True if `out` holds this dataset; False if it holds none; DataError if another one."""
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"clean": {"near_dedup": True}} -> {"clean.near_dedup": True}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _corpus_key(corpus: Any) -> Any:
+    """A saved dataset is the same corpus given as PATH or as hf:PATH."""
+    if isinstance(corpus, str) and corpus.startswith(HF_PREFIX):
+        path = Path(os.path.expanduser(corpus.removeprefix(HF_PREFIX)))
+        if path.is_dir() and is_saved_dataset(path):
+            return corpus.removeprefix(HF_PREFIX)
+    return corpus
+
+
+def _config_changes(cfg: DataConfig, saved: dict[str, Any]) -> list[str]:
+    """What differs between the settings that made the dataset there and this config's."""
+    now, then = _flat(output_config(cfg)), _flat(saved)
+    now["corpus"], then["corpus"] = _corpus_key(now.get("corpus")), _corpus_key(then.get("corpus"))
+    keys = sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k))
+    return [f"data.{k}: {json.dumps(then.get(k))} there, {json.dumps(now.get(k))} now" for k in keys]
+
+
+def _listed(changes: list[str]) -> str:
+    return "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
+
+
+def own_dir(cfg: DataConfig) -> Path:
+    """A directory of its own for a dataset of these settings, beside the default one: its name
+    ends in a short hash of the settings that make the tokens (`output_config`)."""
+    out = cfg.resolved_dir()
+    config = output_config(cfg)
+    config["corpus"] = _corpus_key(config["corpus"])
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:8]
+    return out.with_name(f"{out.name}-{digest}")
+
+
+def _input_change(cfg: DataConfig, was: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """How the corpus changed since the dataset was prepared from it, or None."""
+    if was.get("digest") not in (now["digest"], now.get("legacy_digest")):
+        return (
+            f"the corpus {cfg.corpus} changed since it was prepared ({was.get('files')} files of "
+            f"{was.get('bytes')} bytes then, {now['files']} files of {now['bytes']} bytes now)"
+        )
+    if "val" in now and "val" in was and (was["val"] or {}).get("digest") != (now["val"] or {}).get("digest"):
+        split = (now["val"] or was["val"] or {}).get("split")
+        return f"the validation split {split!r} of {cfg.corpus} changed since the dataset was prepared"
+    return None
+
+
+@dataclass
+class _There:
+    """What `out` holds: a dataset (its manifest) or none, whether it is this one, complete, and
+    otherwise why not (with `force`; without it a different dataset is an error)."""
+
+    manifest: dict[str, Any] | None = None
+    ready: bool = False
+    missing: list[str] = field(default_factory=list)
+    changes: list[str] = field(default_factory=list)
+
+
+def _there(
+    out: Path, cfg: DataConfig, inputs: dict[str, Any], *, force: bool, say: Callable[[str], None]
+) -> _There:
+    """What `out` holds, checked against this config and input. Without `force`, a dataset made
+    with other settings, or from a changed corpus, is a DataError naming the choices."""
     if not (out / MANIFEST).exists():
-        return False
-    manifest = load_manifest(out)
-    config, saved = output_config(cfg), manifest["config"]
-    changed = sorted(k for k in config.keys() | saved.keys() if config.get(k) != saved.get(k))
+        return _There()
+    try:
+        manifest = load_manifest(out)
+    except DataError:
+        if force:
+            return _There(changes=["its manifest is unreadable"])
+        raise
+    changes = _config_changes(cfg, manifest["config"])
+    if changes and not force:
+        raise DataError(
+            f"{out}: holds a dataset prepared with other settings ({_listed(changes)}). To keep it, give "
+            f"this one a directory of its own: --set data.dataset_dir={own_dir(cfg)} (in `pretrain train` "
+            "too); to replace it, run `pretrain data prepare --force` (runs trained on it then no longer "
+            "resume on their data)"
+        )
+    was = manifest.get("inputs", {})
+    changed = None if changes else _input_change(cfg, was, inputs)
+    if changed and not force:
+        raise DataError(
+            f"{out}: {changed}; run `pretrain data prepare --force` to rebuild it, or set another "
+            "data.dataset_dir to keep it"
+        )
     if changed:
-        raise DataError(
-            f"{out}: holds a dataset prepared with a different data config (differs in: {', '.join(changed)}); "
-            "run `pretrain data prepare --force` to overwrite it, or set another data.dataset_dir"
+        changes = [changed]
+    if not changes and "val" in inputs and "val" not in was and inputs["val"]:
+        say(
+            f"note: {out} was prepared before a dataset's own validation split was used: its val is "
+            f"documents of {cfg.hf_split!r} split off by data.val_fraction; `pretrain data prepare --force` "
+            f"rebuilds it with the {inputs['val']['split']!r} split as val"
         )
-    if manifest.get("inputs", {}).get("digest") != inputs["digest"]:
-        was = manifest.get("inputs", {})
-        raise DataError(
-            f"{out}: the corpus {cfg.corpus} changed since it was prepared ({was.get('files')} files of "
-            f"{was.get('bytes')} bytes then, {inputs['files']} files of {inputs['bytes']} bytes now); "
-            "run `pretrain data prepare --force` to rebuild it"
-        )
-    listed = [out / s["path"] for split in SPLITS for s in manifest[split]] + [out / TOKENIZER_FILE]
-    return all(p.is_file() for p in listed)
+    listed = [e["path"] for split in SPLITS for e in manifest[split]] + [TOKENIZER_FILE]
+    missing = [p for p in listed if not (out / p).is_file()]
+    return _There(manifest, not changes and not missing, missing, changes)
 
 
-def prepare(cfg: DataConfig, force: bool = False, log: Callable[[str], None] | None = None) -> Path:
+def _files(n: int) -> str:
+    return f"{n:,} file{'s' if n != 1 else ''}"
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _take(lock: FileLock, out: Path, *, exclusive: bool, wait: bool, say: Callable[[str], None]) -> None:
+    """Take the dataset's lock: shared to check it, exclusive to build it. Held by another prepare:
+    wait for it (`wait`), or a DataError naming it; held by runs reading it (exclusive wanted): a
+    DataError naming them, never a wait (a run takes days)."""
+    told, readers_seen = False, 0
+    while True:
+        if lock.acquire(exclusive=exclusive):
+            return
+        if exclusive and lock.acquire(exclusive=False):  # shared is free: readers hold it
+            holder = lock.holder()
+            lock.release(remove=False)
+            readers_seen += 1
+            if readers_seen < 2:
+                continue  # or a prepare that has just ended: once more
+            raise DataError(
+                f"{out}: in use by a run that reads it ({holder}); rebuilding it now would change the data "
+                "under that run and what it resumes on: wait for it to end, or prepare into another "
+                "data.dataset_dir"
+            )
+        holder = lock.holder()
+        if not wait:
+            raise DataError(
+                f"{out}: another prepare is building this dataset right now ({holder}); two at once would "
+                "replace each other's: wait for it to finish (then this is a no-op if its settings are "
+                "these), or set another data.dataset_dir"
+            )
+        if not told:
+            say(f"waiting for {out}: {holder} is building it")
+            told = True
+        lock.acquire(exclusive=False, wait=True)  # until that prepare ends
+        if not exclusive:
+            return
+
+
+def prepare(
+    cfg: DataConfig, force: bool = False, log: Callable[[str], None] | None = None, *, wait: bool = True
+) -> Path:
     """Build the dataset for `cfg` unless its directory already holds it; return the directory.
 
     With data.blend nothing is built: the listed datasets are checked (present, one tokenizer)
-    and the first one's directory is returned."""
+    and the first one's directory is returned. Another prepare building the same directory is
+    waited for (`wait`, as `train` does), or refused at once (`data prepare`). SIGINT and SIGTERM
+    raise `Interrupted`, whose message says what the directory holds."""
     if cfg.blend:
         return open_datasets(cfg)[0].dir
     out = cfg.resolved_dir()
     if cfg.clean.near_dedup:
         require("datasketch", NEAR_DEDUP, "near-dedup")  # before any pass over the corpus
-    if not force and _up_to_date(out, cfg, input_fingerprint(cfg, fetch=False)):
-        if log:
-            log(f"{out}: already prepared from this corpus and config (--force rebuilds it)")
-        return out
-    inputs = input_fingerprint(cfg)  # fetches a downloaded corpus (once: it is kept in download_dir)
-    check_output_dir(
-        out,
-        None,
-        "prepared dataset",
-        "data.dataset_dir",
-        is_own_entry=lambda p: p.name in _OWN_FILES or p.suffix == ".bin" or ".tmp-" in p.name,
-        error=DataError,
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
+    had = (out / MANIFEST).is_file()
+    swapped: list[bool] = []
+    with _stopping_on_signals():
+        try:
+            return _prepare(cfg, out, force=force, log=log, wait=wait, swapped=swapped)
+        except Interrupted as e:
+            left = (
+                f"{out} holds the new dataset, complete"
+                if swapped
+                else f"{out} still holds the dataset it held before, and nothing of this run is left"
+                if had
+                else f"{out} was not written, and nothing of this run is left"
+            )
+            e.args = (f"interrupted ({e.what}): data prepare stopped; {left}",)
+            raise
+
+
+def _prepare(
+    cfg: DataConfig,
+    out: Path,
+    *,
+    force: bool,
+    log: Callable[[str], None] | None,
+    wait: bool,
+    swapped: list[bool],
+) -> Path:
+    say = log or _stderr
+    lock = dataset_lock(out)
+    stop_reading(out)  # this process read it before: that lock would keep out its own rebuild
+    made: list[Path] = []  # directories made for the dataset: removed again if it is not made
+    try:
+        if not force:
+            if out.parent.is_dir():  # else there is no dataset, and nothing is made just to check
+                _take(lock, out, exclusive=False, wait=wait, say=say)
+            if _there(out, cfg, input_fingerprint(cfg, fetch=False), force=False, say=say).ready:
+                if log:
+                    log(f"{out}: already prepared from this corpus and config (--force rebuilds it)")
+                return out
+        inputs = input_fingerprint(cfg)  # fetches a downloaded corpus (once: it is kept in download_dir)
+        check_output_dir(
+            out,
+            None,
+            "prepared dataset",
+            "data.dataset_dir",
+            is_own_entry=lambda p: p.name in _OWN_FILES or p.suffix == ".bin" or ".tmp-" in p.name,
+            error=DataError,
+        )
+        made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _take(lock, out, exclusive=True, wait=wait, say=say)
+        there = _there(out, cfg, inputs, force=force, say=say)  # now, under the lock
+        if there.ready and not force:
+            if log:
+                log(f"{out}: prepared meanwhile by another prepare, from this corpus and config")
+            return out
+        if force and there.changes:
+            say(f"replacing the dataset in {out} (--force); it was prepared with {_listed(there.changes)}")
+        elif force and there.manifest is not None:
+            say(f"rebuilding {out} (--force), with the settings and corpus it was prepared from")
+        elif there.missing:
+            _stderr(
+                f"warning: {out}: {', '.join(there.missing[:3])}{' ...' if len(there.missing) > 3 else ''} "
+                "listed in its manifest but missing; rebuilding the dataset from its corpus, with the same settings"
+            )
+        _build(cfg, out, inputs, log=log, swapped=swapped)
+        if there.manifest is not None and not there.changes:
+            _say_if_rebuilt_alike(out, there.manifest, say)
+    finally:
+        lock.release()
+        if not out.exists():
+            for p in made:  # deepest first; only while empty
+                with contextlib.suppress(OSError):
+                    p.rmdir()
+    return out
+
+
+def _shard_sums(manifest: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(e["path"], e["sha256"]) for split in SPLITS for e in manifest[split]]
+
+
+def _say_if_rebuilt_alike(out: Path, before: dict[str, Any], say: Callable[[str], None]) -> None:
+    """After a rebuild with the same settings and corpus: whether the shards came out the same."""
+    after = load_manifest(out)
+    if _shard_sums(after) == _shard_sums(before) and after["tokenizer"] == before["tokenizer"]:
+        say(
+            f"{out}: rebuilt byte for byte: every shard is the one listed before (a resumed run continues its data order)"
+        )
+    else:
+        _stderr(
+            f"warning: {out}: rebuilt, but its shards differ from those listed before (this code, or the "
+            "corpus's contents, changed): a run resumed on it will not continue its data order exactly"
+        )
+
+
+def _build(
+    cfg: DataConfig,
+    out: Path,
+    inputs: dict[str, Any],
+    *,
+    log: Callable[[str], None] | None,
+    swapped: list[bool],
+) -> None:
+    """Build the dataset in a staging directory beside `out`, then swap it in whole."""
     _remove_stale(out)
     staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
         workers = _Workers(_worker_count(cfg))
+        own_val = (inputs.get("val") or {}).get("split")
         if log:
             log(
                 f"preparing {cfg.corpus} ({inputs['files']:,} files, {inputs['bytes'] / 1e6:,.1f} MB) into {out}: "
                 f"{cfg.tokenizer} tokenizer, {workers.n} worker processes"
             )
+            if own_val:
+                log(
+                    f"val: the dataset's own {own_val!r} split ({_files(inputs['val']['files'])}); train: all of "
+                    f"{cfg.hf_split!r} (data.val_fraction does not apply)"
+                )
         setup = _Setup(cfg.clean, cfg.text_field, cfg.seed, cfg.val_fraction)
         tok = _fit_tokenizer(cfg, workers, setup, log=log, total=inputs["bytes"])
         setup.tokenizer, setup.dtype = tok, dtype_for_vocab(tok.vocab_size).name
-        shards, report = _encode(cfg, tok, workers, setup, staging, log=log, total=inputs["bytes"])
+        shards, report = _encode(
+            cfg, tok, workers, setup, staging, log=log, total=inputs["bytes"], own_val=own_val
+        )
         for warning in report["warnings"]:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         tok.save(staging / TOKENIZER_FILE)
+        recorded = {k: v for k, v in inputs.items() if k != "legacy_digest"}
         write_manifest(
-            staging, tokenizer=tok, shards=shards, config=output_config(cfg), inputs=inputs, report=report
+            staging, tokenizer=tok, shards=shards, config=output_config(cfg), inputs=recorded, report=report
         )
-        replace_dir(staging, out)
+        with _uninterrupted():  # the swap is two renames: never stopped between them
+            replace_dir(staging, out)
+            swapped.append(True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return out

@@ -6,7 +6,8 @@ from a local copy given as `source`), a file, a directory (recursive) or a glob,
 Face dataset ('hf:NAME', or a `save_to_disk` directory). A text file is one document; a JSON Lines
 file holds one document per line, and a parquet file or a dataset one per row, in a configurable
 field. Text and JSON Lines files may be gzip or zstd compressed. Files are walked in a stable
-order; `chunks.py` cuts them into what workers read.
+order; `chunks.py` cuts them into what workers read. A Hugging Face dataset's own validation split
+(VAL_SPLITS) comes last, its files marked `split="val"`, for prepare to keep as val.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ _TEXT_SUFFIXES = (".txt",)
 _PARQUET_SUFFIXES = (".parquet",)
 _COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
 HF_PREFIX = "hf:"
+# The names a dataset's own validation split goes by (datasets.Split.VALIDATION first).
+VAL_SPLITS = ("validation", "valid", "val", "dev")
 # What the first bytes of a file say it is, when it is no text: named in the error.
 _MAGIC = {
     b"\x1f\x8b": "gzip data",
@@ -123,6 +126,10 @@ class InputFile:
     identity: str  # what makes this input this input: size + mtime, or its sha256
     compression: str = ""  # "", "gzip" or "zstd"
     row0: int = 0  # a dataset's Arrow file: the dataset's row index of its first row
+    # A dataset with a validation split of its own: "val" for that split's files, "train" for the
+    # others; "" (any other input) where documents are split by their name's hash.
+    split: str = ""
+    legacy_name: str | None = None  # its name before path and hf:PATH were named alike (fingerprints)
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,7 @@ class HFOptions:
     config: str | None = None
     split: str = "train"
     streaming: bool = False
+    with_val: bool = False  # also the dataset's own validation split (VAL_SPLITS), if it has one
 
 
 def shakespeare_files() -> list[Path]:
@@ -240,26 +248,89 @@ def hf_datasets() -> Any:
 
 def _hf_inputs(spec: str, hf: HFOptions) -> Iterator[InputFile]:
     """The Arrow files of a Hugging Face dataset (a saved one, or one that `load_dataset`
-    downloads and prepares into its cache), or one stream."""
+    downloads and prepares into its cache), or one stream; with `hf.with_val`, then those of its
+    own validation split, if it has one besides `hf.split`."""
     local = Path(os.path.expanduser(spec.removeprefix(HF_PREFIX)))
     saved = local.is_dir() and is_saved_dataset(local)
-    # Documents are named by their row in the split, the same whether streamed or not.
-    name = spec if saved and not (local / "dataset_dict.json").is_file() else f"{spec}[{hf.split}]"
+    is_dict = saved and (local / "dataset_dict.json").is_file()
+    # Documents are named by their row in the split, the same whether streamed or not; a saved
+    # dataset by its path, given as PATH or as hf:PATH alike (so both split it alike).
+    base = spec.removeprefix(HF_PREFIX) if saved else spec
+
+    def name_of(split: str, root: str = base) -> str:
+        return root if saved and not is_dict else f"{root}[{split}]"
+
+    def legacy_of(split: str) -> str | None:
+        return name_of(split, spec) if name_of(split, spec) != name_of(split) else None
+
+    datasets = hf_datasets() if saved or not hf.streaming or hf.with_val else None
     if hf.streaming and not saved:
-        yield InputFile(name, Path(spec.removeprefix(HF_PREFIX)), "hf-stream", 0, _hf_identity(spec, hf))
+        val = _val_split(datasets, spec, hf, None, saved=False) if hf.with_val else None
+        yield InputFile(
+            name_of(hf.split),
+            Path(spec.removeprefix(HF_PREFIX)),
+            "hf-stream",
+            0,
+            _hf_identity(spec, hf),
+            split="train" if val else "",
+        )
+        if val:
+            other = HFOptions(hf.config, val, True)
+            yield InputFile(
+                name_of(val),
+                Path(spec.removeprefix(HF_PREFIX)),
+                "hf-stream",
+                0,
+                _hf_identity(spec, other),
+                split="val",
+            )
         return
-    datasets = hf_datasets()
+    assert datasets is not None
     try:
         if saved:
-            ds = datasets.load_from_disk(str(local))
+            whole = datasets.load_from_disk(str(local))
         else:
-            ds = datasets.load_dataset(spec.removeprefix(HF_PREFIX), hf.config, split=hf.split)
+            whole = datasets.load_dataset(spec.removeprefix(HF_PREFIX), hf.config, split=hf.split)
     except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
         raise DataError(f"{spec}: cannot load the dataset: {e}") from e
-    if isinstance(ds, datasets.DatasetDict):
-        if hf.split not in ds:
-            raise DataError(f"{spec}: no split {hf.split!r} (it has {', '.join(ds)}): set data.hf_split")
-        ds = ds[hf.split]
+    ds = whole
+    if isinstance(whole, datasets.DatasetDict):
+        if hf.split not in whole:
+            raise DataError(f"{spec}: no split {hf.split!r} (it has {', '.join(whole)}): set data.hf_split")
+        ds = whole[hf.split]
+    val = _val_split(datasets, spec, hf, whole, saved=saved) if hf.with_val else None
+    yield from _arrow_inputs(spec, ds, name_of(hf.split), legacy_of(hf.split), "train" if val else "")
+    if val:
+        if isinstance(whole, datasets.DatasetDict):
+            val_ds = whole[val]
+        else:
+            try:
+                val_ds = datasets.load_dataset(spec.removeprefix(HF_PREFIX), hf.config, split=val)
+            except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
+                raise DataError(f"{spec}: cannot load its {val!r} split: {e}") from e
+        yield from _arrow_inputs(spec, val_ds, name_of(val), legacy_of(val), "val")
+
+
+def _val_split(datasets: Any, spec: str, hf: HFOptions, loaded: Any, *, saved: bool) -> str | None:
+    """The name of the dataset's own validation split (one of VAL_SPLITS, not the split read), or
+    None: from a saved DatasetDict's splits, or (a dataset `load_dataset` reads) its info's."""
+    if isinstance(loaded, datasets.DatasetDict):
+        names = list(loaded)
+    elif saved:
+        names = []  # a saved Dataset is one split
+    else:
+        names = list(getattr(getattr(loaded, "info", None), "splits", None) or [])
+        if not names:
+            try:
+                names = list(datasets.get_dataset_split_names(spec.removeprefix(HF_PREFIX), hf.config))
+            except Exception:  # no split names to be had (offline, a builder without them): none
+                names = []
+    read = hf.split.partition("[")[0]  # a slice such as train[:10%] reads train
+    return next((n for n in VAL_SPLITS if n in names and n != read), None)
+
+
+def _arrow_inputs(spec: str, ds: Any, name: str, legacy: str | None, split: str) -> Iterator[InputFile]:
+    """A loaded dataset's Arrow files, each with the dataset's row index of its first row."""
     if getattr(ds, "_indices", None) is not None:
         ds = ds.flatten_indices()
     files = [Path(f["filename"]) for f in ds.cache_files]
@@ -270,7 +341,9 @@ def _hf_inputs(spec: str, hf: HFOptions) -> Iterator[InputFile]:
     row0 = 0
     for p in files:
         f = _input(name, p, "arrow")
-        yield InputFile(f.name, f.path, f.format, f.size, f.identity, row0=row0)
+        yield InputFile(
+            f.name, f.path, f.format, f.size, f.identity, row0=row0, split=split, legacy_name=legacy
+        )
         row0 += arrow_table(p).num_rows
 
 
