@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -185,10 +186,18 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("render", help="Print the DeepSpeed JSON of a config, or (--all) rewrite ds_configs/.")
     _add_config_args(p)
-    p.add_argument("--world-size", type=COUNT, default=1, help="Data-parallel world size (default 1).")
-    p.add_argument("--all", action="store_true", help="Render every file of ds_configs/.")
+    p.add_argument("--world-size", type=COUNT, help="Data-parallel world size (default 1; not with --all).")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="Render every file of ds_configs/, each from its own preset and world size (no config arguments).",
+    )
     p.add_argument("--check", action="store_true", help="With --all: exit 1 if a file is out of date.")
-    p.add_argument("--out-dir", default="ds_configs", help="With --all: where the files go.")
+    p.add_argument(
+        "--out-dir",
+        help="With --all: where the files go (default ds_configs); a new directory, or one holding only "
+        "files render wrote.",
+    )
 
     p = sub.add_parser("config", help="Print the resolved run config as YAML.")
     _add_config_args(p)
@@ -263,7 +272,11 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plot", help="Plot a run's metrics.csv (loss, LR, tokens/s) to a PNG.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="The run directory (logging.run_dir).")
-    p.add_argument("--out", help="Where the PNG goes (default: RUN_DIR/metrics.png).")
+    p.add_argument(
+        "--out",
+        help="The PNG file to write, exactly this path (default: RUN_DIR/metrics.png); never a file that is "
+        "not a PNG.",
+    )
     _add_launch_parsers(sub)
     return ap
 
@@ -355,6 +368,16 @@ def _add_launch_parsers(sub: Any) -> None:
     p.add_argument("--count", action="store_true", help="Print only the number of hosts.")
 
 
+def _seed(text: str) -> int:
+    """--seed: a whole number torch's generators take, 0 to 2**64 - 1."""
+    value = int(NON_NEGATIVE(text))
+    if value > 2**64 - 1:
+        raise argparse.ArgumentTypeError(
+            f"{text} is out of range: a whole number from 0 to 2**64 - 1 ({2**64 - 1})"
+        )
+    return value
+
+
 def _add_checkpoint_parsers(sub: Any) -> None:
     src_help = "A checkpoint (runs/X/checkpoints/step_N), or a run or checkpoints dir (its newest)."
 
@@ -394,13 +417,28 @@ def _add_checkpoint_parsers(sub: Any) -> None:
     p = sub.add_parser("sample", help="Generate text from a checkpoint or an export.")
     p.add_argument("src", metavar="CHECKPOINT_OR_EXPORT", help=src_help + " Or an export dir.")
     p.add_argument("--prompt", default="\n", help="Text to continue (default: a newline).")
-    p.add_argument("--max-new-tokens", type=COUNT, default=200, help="Tokens to generate (default 200).")
+    p.add_argument(
+        "--max-new-tokens",
+        type=COUNT,
+        default=200,
+        help="Tokens to generate per sample (default 200; at most 10,000,000 over all samples).",
+    )
     p.add_argument("--temperature", type=POSITIVE, default=0.8, help="Softmax temperature (default 0.8).")
     p.add_argument(
         "--top-k", type=NON_NEGATIVE, default=200, help="Sample among the k likeliest; 0: all (default 200)."
     )
-    p.add_argument("--seed", type=NON_NEGATIVE, default=1337, help="Sampling seed (default 1337).")
-    p.add_argument("--num-samples", type=COUNT, default=1, help="Independent samples (default 1).")
+    p.add_argument(
+        "--seed",
+        type=_seed,
+        default=1337,
+        help="Sampling seed, 0 to 2**64-1; sample i uses seed+i (default 1337).",
+    )
+    p.add_argument(
+        "--num-samples",
+        type=COUNT,
+        default=1,
+        help="Independent samples, made in batches and printed as each is done (default 1).",
+    )
     p.add_argument("--device", default="cpu", help="torch device (default cpu).")
     p.add_argument("--tokenizer-path", help="Local gpt2.tiktoken, for GPT-2 BPE models trained offline.")
     p.add_argument(
@@ -509,12 +547,21 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from pretrain.export import generate, load_model, tokenizer_for  # torch
+    from pretrain.export import MAX_SAMPLE_TOKENS, load_model, stream_samples, tokenizer_for  # torch
 
+    if args.num_samples * args.max_new_tokens > MAX_SAMPLE_TOKENS:
+        raise ConfigError(
+            [
+                f"--num-samples {args.num_samples} x --max-new-tokens {args.max_new_tokens} = "
+                f"{args.num_samples * args.max_new_tokens:,} tokens: more than one `sample` makes "
+                f"({MAX_SAMPLE_TOKENS:,}); ask for fewer, or run it several times with other --seed values"
+            ],
+            "sample",
+        )
     _check_device(args.device)
     model, cfg, where = load_model(Path(args.src), device=args.device, checksums=not args.no_checksums)
     tokenizer = tokenizer_for(where, cfg, args.tokenizer_path)
-    texts = generate(
+    samples = stream_samples(
         model,
         tokenizer,
         args.prompt,
@@ -524,20 +571,42 @@ def cmd_sample(args: argparse.Namespace) -> int:
         args.seed,
         args.num_samples,
     )
-    for i, text in enumerate(texts):
-        if len(texts) > 1:
-            print(f"--- sample {i + 1} ---")
-        print(text)
+    current = -1
+    try:
+        for i, piece in samples:  # printed as it comes: a sample made alone, token by token
+            if i != current:
+                if current >= 0:
+                    sys.stdout.write("\n")
+                if args.num_samples > 1:
+                    sys.stdout.write(f"--- sample {i + 1} ---\n")
+                current = i
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        print(flush=True)
+    except BrokenPipeError:  # `pretrain sample ... | head`: the reader has what it wanted
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+    except RuntimeError as e:  # out of memory on the device (torch.OutOfMemoryError) or the host
+        if "out of memory" not in str(e) and "can't allocate memory" not in str(e):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ConfigError(
+            [f"--device {args.device}: out of memory generating ({first}); ask for fewer --num-samples"],
+            "sample",
+        ) from e
     return 0
 
 
 def _check_device(name: str) -> None:
-    """--device names a device this machine has."""
+    """--device names a device this machine has, that computes ('meta' holds no values)."""
     import torch
 
     try:
-        torch.empty(0, device=torch.device(name))
-    except (RuntimeError, AssertionError, ValueError) as e:
+        device = torch.device(name)
+        if device.type == "meta":
+            raise ValueError("the meta device holds shapes, not values")
+        torch.empty(0, device=device)
+    except Exception as e:  # RuntimeError, NotImplementedError, AssertionError, ImportError: per backend
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         cuda = (
             f"{torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA device"
@@ -560,7 +629,7 @@ def _add_prepare_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from pretrain.data.dataset import load_manifest, summary  # numpy, tiktoken: per command, as above
-    from pretrain.data.prepare import format_report, prepare
+    from pretrain.data.prepare import Interrupted, format_report, prepare
 
     cfg = _config(args, None, deepspeed=False)
     data = cfg.data
@@ -574,7 +643,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
-    out = prepare(data, force=args.force, log=log)
+    try:
+        # Another prepare of this directory: refused at once here (`train` waits for it).
+        out = prepare(data, force=args.force, log=log, wait=False)
+    except Interrupted as e:  # SIGINT or SIGTERM: workers stopped, staging removed; one line
+        print(e, file=sys.stderr)
+        return 128 + e.signum
     m = load_manifest(out)
     if not data.blend:
         print(format_report(m["report"]))
@@ -584,37 +658,84 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_render(args: argparse.Namespace) -> int:
     if not args.all:
-        print(_render_json(_config(args, args.world_size)), end="")
+        only_all = [flag for flag, given in (("--check", args.check), ("--out-dir", args.out_dir)) if given]
+        if only_all:
+            raise ConfigError(
+                [
+                    f"{' and '.join(only_all)} {'apply' if len(only_all) > 1 else 'applies'} only with --all "
+                    "(which renders every file of ds_configs/): add --all, or drop "
+                    f"{'them' if len(only_all) > 1 else 'it'} to print this config's JSON"
+                ],
+                "render",
+            )
+        print(_render_json(_config(args, args.world_size or 1)), end="")
         return 0
+    config_args = [
+        flag
+        for flag, given in (
+            ("--preset", args.preset),
+            ("--config", args.config),
+            ("--ds", args.ds),
+            ("--set", args.overrides),
+            ("--world-size", args.world_size),
+        )
+        if given
+    ]
+    if config_args:
+        raise ConfigError(
+            [
+                f"--all renders each file of ds_configs/ from its own preset, overrides and world size, so "
+                f"{', '.join(config_args)} would be ignored: drop {'them' if len(config_args) > 1 else 'it'}, "
+                "or drop --all to print the JSON of this config"
+            ],
+            "render",
+        )
+    out_dir = Path(args.out_dir or "ds_configs")
     stale, texts = [], {}
     for name, (preset, overrides, world) in DS_CONFIG_RENDERS.items():
         text = render_file(preset, overrides, world)
-        path = Path(args.out_dir) / f"{name}.json"
+        path = out_dir / f"{name}.json"
         if read_bytes(path) == text.encode():
             continue
         stale.append(str(path))
         texts[path] = text
     if not args.check:
-        make_dir(Path(args.out_dir), "--out-dir")
-        # Only files this command wrote before are rewritten: a DeepSpeed JSON of another project
-        # kept under one of these names is refused, never lost.
-        foreign = [str(p) for p in not_ours(texts, _is_render)]
+        # Only into a directory of this command's files: a DeepSpeed JSON of another project kept under
+        # one of these names, or any other file (`--out-dir /`, a home directory), is refused, never
+        # lost or mixed with ours.
+        foreign = _not_rendered(out_dir)
         if foreign:
+            listed = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
             raise OutputError(
-                f"--out-dir {args.out_dir}: {', '.join(foreign)} not written by `pretrain render`; refusing "
-                "to overwrite: move them away or choose another --out-dir"
+                f"--out-dir {out_dir}: {listed} not written by `pretrain render`; refusing to write there: "
+                "move them away or choose another --out-dir (a new directory, or one of render's)"
             )
+        make_dir(out_dir, "--out-dir", OutputError)
         for path, text in texts.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, text)
     if args.check and stale:
         print("out of date (run `pretrain render --all`): " + ", ".join(stale), file=sys.stderr)
         return 1
     print(
-        f"{'checked' if args.check else 'wrote'} {len(DS_CONFIG_RENDERS)} files in {args.out_dir}"
+        f"{'checked' if args.check else 'wrote'} {len(DS_CONFIG_RENDERS)} files in {out_dir}"
         + (f" ({len(stale)} changed)" if stale and not args.check else "")
     )
     return 0
+
+
+def _not_rendered(out_dir: Path) -> list[str]:
+    """What the directory `out_dir` holds that `render --all` did not write: anything but its JSONs
+    (by content, not by name) and the temporary file of a write that was killed."""
+    if not out_dir.is_dir():
+        return []  # none yet; or a file, which make_dir names
+    foreign = []
+    for entry in sorted(out_dir.iterdir()):
+        if re.fullmatch(r".+\.json\.tmp-\d+", entry.name) and entry.is_file():
+            continue
+        data = read_bytes(entry) if entry.name.endswith(".json") else None
+        if data is None or not _is_render(data):
+            foreign.append(str(entry))
+    return foreign
 
 
 def _is_render(data: bytes) -> bool:
@@ -777,11 +898,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from pretrain.plot import plot_run  # matplotlib
 
-    if args.out and not_ours([Path(args.out)], lambda data: data.startswith(b"\x89PNG")):
-        raise OutputError(
-            f"--out {args.out}: exists and is not a PNG; refusing to overwrite it: choose another file"
-        )
-    out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
+    out = plot_run(Path(args.run_dir), args.out, report=lambda line: print(line, file=sys.stderr))
     print(f"wrote {out}")
     return 0
 

@@ -12,25 +12,41 @@ encodes and decodes as ours, `tokenizer_config.json` and `generation_config.json
 - arch gpt2, rotary positions: `GPTNeoXForCausalLM` (sequential residual, rotary on the whole head);
 - arch llama: `LlamaForCausalLM`.
 
-Biases our model lacks are written as zeros where the Hugging Face class always has them.
+Biases our model lacks are written as zeros where the Hugging Face class always has them. A
+tied head is stored once, as the embedding, for every class (`tie_word_embeddings` ties it back).
+
+Every reader here gives one `CheckpointError` naming the file and the fix for what it cannot use: a
+file torch, DeepSpeed or safetensors cannot parse (damaged, truncated), a config this version does
+not accept, weights that do not match their config, or weights that are not finite.
 """
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import json
+import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
 from pretrain.config.tree import ModelConfig, RunConfig
 from pretrain.data.tokenizer import BPE_RANKS_FILE, ENDOFTEXT, Tokenizer, hf_tokenizer, load_tokenizer
-from pretrain.errors import CheckpointError, DataError, OutputError
-from pretrain.files import check_output_dir, default_mode, replace_dir, temp_name, write_atomic
+from pretrain.errors import CheckpointError, DataError, OutputError, PretrainError
+from pretrain.files import (
+    check_output_dir,
+    default_mode,
+    make_dir,
+    replace_dir,
+    temp_name,
+    write_atomic,
+)
 from pretrain.training import checkpoint
 from pretrain.training.model import GPT, NORM_EPS
 
@@ -43,48 +59,135 @@ EXPORT_NAMES = {WEIGHTS, INFO, HF_DIR, TOKENIZER, BPE_RANKS_FILE, checkpoint.TOK
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
+def consolidated_state_dict(ckpt: Path, *, checksums: bool = True) -> dict[str, torch.Tensor]:
     """The fp32 weights of a checkpoint directory, gathered from every rank's shards (any ZeRO
     stage; from the fp32 master copy where there is one; under tensor or pipeline parallelism from
-    the model's own weights, see `model_parallel_state_dict`). Loaded weights-only."""
+    the model's own weights, see `model_parallel_state_dict`). Loaded weights-only. A file that
+    cannot be parsed is one CheckpointError naming it; `checksums`: whether the files were verified
+    against their sha256 (else the error says that one may be damaged, and how to check)."""
     meta = checkpoint.read_meta(ckpt)
-    if checkpoint.saved_layout(meta) != (1, 1) and meta.get("format") != "universal":
-        return model_parallel_state_dict(ckpt, meta)
-    # DeepSpeed reports its progress on stdout, which belongs to `pretrain sample`'s text
-    with checkpoint.safe_loading(), contextlib.redirect_stdout(sys.stderr):
-        if any(ckpt.glob("*optim_states.pt")) and int(meta.get("zero_stage", 0)) > 0:
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # seconds
+    run_config(meta, ckpt / checkpoint.META)  # a config this version does not accept: said as such
+    reading = [ckpt]  # the file being read, for the error
+    try:
+        if checkpoint.saved_layout(meta) != (1, 1) and meta.get("format") != "universal":
+            sd = model_parallel_state_dict(ckpt, meta, reading)
+        else:
+            # DeepSpeed reports its progress on stdout, which belongs to `pretrain sample`'s text
+            with checkpoint.safe_loading(), contextlib.redirect_stdout(sys.stderr):
+                if any(ckpt.glob("*optim_states.pt")) and int(meta.get("zero_stage", 0)) > 0:
+                    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-            sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
-        else:  # stage 0: rank 0's model file holds the whole module
-            sd = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)[
-                "module"
-            ]
+                    sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+                else:  # stage 0: rank 0's model file holds the whole module
+                    reading[0] = ckpt / "mp_rank_00_model_states.pt"
+                    sd = torch.load(reading[0], map_location="cpu", weights_only=True)["module"]
+    except PretrainError as e:
+        if checksums and str(ckpt) in str(e):
+            raise
+        said = str(e) if str(ckpt) in str(e) else f"{reading[0]}: {e}"  # safe_loading's names no file
+        collective = getattr(e, "collective", True)
+        raise CheckpointError(said if checksums else f"{said}\n{_UNVERIFIED}", collective=collective) from e
+    except Exception as e:  # torch's, DeepSpeed's or pickle's own error on a file it cannot parse
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        why = (
+            _UNVERIFIED
+            if not checksums
+            else "its files match the sizes and sha256 recorded at save, so this torch or DeepSpeed cannot "
+            "read what that one wrote: read it with the versions its pretrain_meta.json names"
+        )
+        raise CheckpointError(
+            f"{reading[0]}: cannot read the weights ({type(e).__name__}: {first})\n{why}"
+        ) from e
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise CheckpointError(f"{reading[0]}: holds no model weights (not a pretrain checkpoint's file)")
     return {k: v.detach().float().contiguous() for k, v in sd.items()}
 
 
-def model_parallel_state_dict(ckpt: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+# Said where a checkpoint was read with --no-checksums (sizes only) and turned out unreadable.
+_UNVERIFIED = (
+    "(checked with --no-checksums, sizes only: a file may be damaged. Check it against its sha256 by "
+    "running without --no-checksums, or pass the run dir to use its newest valid checkpoint)"
+)
+
+
+def run_config(meta: dict[str, Any], meta_path: Path) -> RunConfig:
+    """The run config a checkpoint's meta records, or one CheckpointError naming the field: a config
+    this version of pretrain does not accept (another version wrote it, or it was edited)."""
+    try:
+        return RunConfig.model_validate(meta["config"])
+    except (ValidationError, KeyError, TypeError) as e:
+        if isinstance(e, ValidationError):
+            first = e.errors()[0]
+            where = ".".join(str(x) for x in first["loc"])
+            problem = f"config.{where}: {first['msg']}" if where else f"config: {first['msg']}"
+        else:
+            problem = "no config" if isinstance(e, KeyError) else "its config is not a JSON object"
+        raise CheckpointError(
+            f"{meta_path}: {problem}; a config this version of pretrain does not accept (another version "
+            "wrote it, or it was edited): read it with the version its 'versions' names"
+        ) from e
+
+
+def check_weights(sd: dict[str, torch.Tensor], m: ModelConfig, what: Path, config: str, fix: str) -> None:
+    """The weights `sd` (read from `what`) are those of a GPT of config `m` (read from the file
+    `config`): every name, every shape (a tied head may be absent), and finite; else one
+    CheckpointError naming them and `fix`."""
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in GPT(m).state_dict().items()}
+    problems = []
+    optional = {"lm_head.weight"} if m.tie_embeddings else set()
+    missing = sorted(set(want) - set(sd) - optional)
+    unexpected = sorted(set(sd) - set(want))
+    if missing:
+        problems.append(
+            f"lacks {', '.join(missing[:3])}" + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        )
+    if unexpected:
+        problems.append(
+            f"has {', '.join(unexpected[:3])}"
+            + (f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else "")
+            + ", which the model has not"
+        )
+    for k in sorted(set(want) & set(sd)):
+        if tuple(sd[k].shape) != want[k]:
+            problems.append(f"{k} is {list(sd[k].shape)}, the model's is {list(want[k])}")
+    if problems:
+        raise CheckpointError(
+            f"{what}: the weights do not match the model config in {config} (n_layer {m.n_layer}, "
+            f"n_embd {m.n_embd}, vocab {m.vocab_size}): {'; '.join(problems[:3])}; {fix}"
+        )
+    for k, v in sd.items():
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise CheckpointError(
+                f"{what}: {k} holds NaN or inf: the run diverged before this checkpoint, or a file is damaged; {fix}"
+            )
+
+
+def model_parallel_state_dict(
+    ckpt: Path, meta: dict[str, Any], reading: list[Path] | None = None
+) -> dict[str, torch.Tensor]:
     """The GPT's weights from a tensor- and/or pipeline-parallel checkpoint: each pipeline layer's
     file (or, without a pipeline, each tensor rank's model file) read, named as in GPT
     (pipeline.gpt_names), and the tensor ranks' shards put back together as AutoTP split them
     (ds_render.autotp_layer_specs). These are the weights the model trained with: fp32 in an fp32
-    run, the bf16 copy in a bf16 run."""
+    run, the bf16 copy in a bf16 run. `reading[0]` is set to each file as it is read."""
     from pretrain.training.pipeline import gpt_names
 
+    reading = reading if reading is not None else [ckpt]
     m = ModelConfig.model_validate(meta["config"]["model"])
     tp, pp = checkpoint.saved_layout(meta)
     shards: dict[str, list[torch.Tensor]] = {}
     with checkpoint.safe_loading():
         for r in range(tp):
             if pp == 1:
-                named = torch.load(
-                    ckpt / f"mp_rank_{r:02d}_model_states.pt", map_location="cpu", weights_only=True
-                )["module"]
+                reading[0] = ckpt / f"mp_rank_{r:02d}_model_states.pt"
+                named = torch.load(reading[0], map_location="cpu", weights_only=True)["module"]
             else:
                 named = {}
                 for idx, prefix in enumerate(gpt_names(m)):
                     f = ckpt / f"layer_{idx:02d}-model_{r:02d}-model_states.pt"
                     if f.is_file():  # a tied head is saved once, with the embedding (layer 0)
+                        reading[0] = f
                         layer = torch.load(f, map_location="cpu", weights_only=True)
                         named.update({f"{prefix}{k}": v for k, v in layer.items()})
             for name, tensor in named.items():
@@ -188,7 +291,9 @@ def hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torc
         if not m.tie_embeddings:
             out["lm_head.weight"] = head
     elif arch == "GPTNeoXForCausalLM":
-        out.update({"gpt_neox.embed_in.weight": sd["wte.weight"], "embed_out.weight": head})
+        out["gpt_neox.embed_in.weight"] = sd["wte.weight"]
+        if not m.tie_embeddings:  # tied: the one tensor is the embedding (safetensors stores no alias)
+            out["embed_out.weight"] = head  # transformers >= 5 reads it as lm_head.weight
         out["gpt_neox.final_layer_norm.weight"] = sd["ln_f.weight"]
         out["gpt_neox.final_layer_norm.bias"] = bias("ln_f.bias", d)
     else:
@@ -197,7 +302,26 @@ def hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torc
         out["transformer.ln_f.bias"] = bias("ln_f.bias", d)
         if not m.tie_embeddings:
             out["lm_head.weight"] = head
-    return {k: v.contiguous() for k, v in out.items()}
+    return unshared(out)
+
+
+def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors`, contiguous, each one whose memory overlaps an earlier one's copied: safetensors
+    refuses tensors that share memory (views of one tensor that do not overlap, as q, k and v split
+    from one matrix, it stores as they are)."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    out = {}
+    for name, t in tensors.items():
+        t = t.contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        start = int(t.storage_offset()) * t.element_size()
+        end = start + t.numel() * t.element_size()
+        if any(s < end and start < e for s, e in spans.get(ptr, [])):
+            t = t.clone()
+            ptr, start, end = t.untyped_storage().data_ptr(), 0, t.numel() * t.element_size()
+        spans.setdefault(ptr, []).append((start, end))
+        out[name] = t
+    return out
 
 
 def _special_ids(tok: Tokenizer | None) -> dict[str, int]:
@@ -335,11 +459,15 @@ def export(
     BPE tokenizer is rebuilt from `tokenizer_path` (default: the run's data.tokenizer_path, else
     tiktoken's download)."""
     ckpt = checkpoint.locate(src, checksums=checksums)
+    try:
+        out.resolve()
+    except (RuntimeError, OSError) as e:  # a symlink loop: RuntimeError before Python 3.13
+        raise OutputError(f"--out {out}: cannot be resolved ({e}); choose a new directory for --out") from e
     check_output_dir(
         out, is_export, "export", "--out", sources=[src, ckpt], no_inside=[ckpt], error=OutputError
     )
     meta = checkpoint.read_meta(ckpt)
-    cfg = RunConfig.model_validate(meta["config"])
+    cfg = run_config(meta, ckpt / checkpoint.META)
     try:
         tok: Tokenizer | None = tokenizer_for(ckpt, cfg, tokenizer_path)
     except DataError as e:
@@ -349,14 +477,22 @@ def export(
                 "to export the weights alone"
             ) from e
         tok = None
-    sd = consolidated_state_dict(ckpt)
+    sd = consolidated_state_dict(ckpt, checksums=checksums)
+    check_weights(
+        sd,
+        cfg.model,
+        ckpt,
+        checkpoint.META,
+        "export another checkpoint (pass the run dir: its newest valid one)",
+    )
     cast = {k: v.to(_DTYPES[dtype]) for k, v in sd.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(out.with_name(f".{out.name}"))
+    final = Path(os.path.abspath(out))  # `--out .` has no name to stage beside
+    make_dir(final.parent, "--out", OutputError)
+    tmp = temp_name(final.with_name(f".{final.name}"))
     tmp.mkdir()
     try:
         native = {k: v for k, v in cast.items() if k != "lm_head.weight" or not cfg.model.tie_embeddings}
-        save_file(native, str(tmp / WEIGHTS), metadata={"format": "pt", "dtype": dtype})
+        save_file(unshared(native), str(tmp / WEIGHTS), metadata={"format": "pt", "dtype": dtype})
         default_mode(tmp / WEIGHTS)
         info = {
             "model": cfg.model.model_dump(mode="json"),
@@ -373,7 +509,7 @@ def export(
             tok.save(tmp / TOKENIZER)
         if hf and tok is not None:
             write_hf(tmp / HF_DIR, cfg.model, cast, dtype, tok)
-        replace_dir(tmp, out)
+        replace_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -390,19 +526,32 @@ def load_model(src: Path, device: str = "cpu", checksums: bool = True) -> tuple[
     """A GPT in eval mode from an export directory, or from a checkpoint (consolidated in memory).
     Also returns the run config it was trained with and the directory holding its tokenizer."""
     if (src / WEIGHTS).is_file() and (src / INFO).is_file():
+        again = f"export it again (pretrain export CHECKPOINT --out {src})"
         try:
             info = json.loads((src / INFO).read_text())
             cfg = RunConfig.model_validate(info["config"])
         except (OSError, ValueError, KeyError, TypeError) as e:  # pydantic's error is a ValueError
+            raise CheckpointError(f"{src / INFO}: unreadable export info ({str(e)[:300]}); {again}") from e
+        try:
+            sd = load_file(str(src / WEIGHTS))
+        except Exception as e:  # safetensors' own error on a truncated or damaged file; OSError
+            first = (str(e).strip().splitlines() or [""])[0][:300]
             raise CheckpointError(
-                f"{src / INFO}: unreadable export info ({str(e)[:300]}); export again"
+                f"{src / WEIGHTS}: not a readable safetensors file ({type(e).__name__}: {first}); {again}"
             ) from e
-        sd = load_file(str(src / WEIGHTS))
+        check_weights(sd, cfg.model, src / WEIGHTS, INFO, again)
         where = src
     else:
         where = checkpoint.locate(src, checksums=checksums)
-        cfg = RunConfig.model_validate(checkpoint.read_meta(where)["config"])
-        sd = consolidated_state_dict(where)
+        cfg = run_config(checkpoint.read_meta(where), where / checkpoint.META)
+        sd = consolidated_state_dict(where, checksums=checksums)
+        check_weights(
+            sd,
+            cfg.model,
+            where,
+            checkpoint.META,
+            "sample another checkpoint (pass the run dir: its newest valid one)",
+        )
     model = GPT(cfg.model)
     sd = {k: v.float() for k, v in sd.items()}
     if cfg.model.tie_embeddings:
@@ -426,7 +575,128 @@ def tokenizer_for(where: Path, cfg: RunConfig, tokenizer_path: str | None = None
     return load_tokenizer(found[-1], tokenizer_path or cfg.data.tokenizer_path)
 
 
+MAX_SAMPLE_TOKENS = 10_000_000  # what one `pretrain sample` generates at most, all samples together
+_BATCH_BYTES = 1 << 30  # about the most a batch of samples side by side holds in activations
+_BATCH_TOKENS = 1 << 16  # tokens a batch makes before its samples are printed: one sample past that
+
+
+def sample_batch_size(m: ModelConfig, num_samples: int, max_new_tokens: int) -> int:
+    """How many samples are generated side by side: as many as fit in _BATCH_BYTES of activations
+    (a forward of a full context without gradients: embeddings, q/k/v, the MLP's hidden layer and
+    the attention scores, twice over) and _BATCH_TOKENS tokens; at least one."""
+    T = m.block_size
+    per_sample = 4 * 2 * T * (4 * m.n_embd + m.ffn_hidden + m.n_head * T) + 4 * (m.vocab_size or 0)
+    return max(1, min(num_samples, _BATCH_BYTES // per_sample, _BATCH_TOKENS // max_new_tokens))
+
+
+class _Decoder:
+    """A sample's text, token by token: a byte-level BPE token may end inside a character, which is
+    held back until the next token completes it (and decoded as `decode` would, with U+FFFD for
+    bytes that never form one)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        enc = getattr(tokenizer, "enc", None)  # tiktoken's, for the byte-level BPEs
+        self.token_bytes = getattr(enc, "decode_single_token_bytes", None)
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if self.token_bytes else None
+
+    def __call__(self, ids: list[int]) -> str:
+        if self.token_bytes is None or self.utf8 is None:
+            return str(self.tokenizer.decode(ids))
+        return str(self.utf8.decode(b"".join(self.token_bytes(i) for i in ids)))
+
+    def flush(self) -> str:
+        return "" if self.utf8 is None else str(self.utf8.decode(b"", final=True))
+
+
+def _next_tokens(
+    model: GPT,
+    idx: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    vocab: int,
+    gens: list[torch.Generator],
+) -> torch.Tensor:
+    """One token for each row of `idx` (B, T), on the CPU, row r drawn with `gens[r]`, among the
+    tokenizer's `vocab` ids only (a model's vocabulary may be padded past the tokenizer's)."""
+    logits, _ = model(idx)
+    # (B, vocab), drawn from on the CPU in float64 (a temperature of 1e-300 is not 0 there; MPS has no
+    # float64): the same samples on every device, to the model's rounding.
+    logits = logits[:, -1, :vocab].to("cpu", torch.float64)
+    # Shifted so that the likeliest is 0 before dividing: a tiny temperature is greedy, never 0/0.
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits[logits < v[:, [-1]]] = -float("inf")
+    probs = torch.softmax(logits, dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise DataError(
+            "the model's next-token probabilities are not finite (its outputs overflowed to NaN or inf): "
+            "sample another checkpoint, or on a GPU try --device cpu"
+        )
+    # Inverse-CDF sampling, one uniform number per row from its own (CPU) generator: the first token
+    # whose cumulative probability exceeds it, never one of probability 0 (right=True).
+    u = torch.tensor(
+        [torch.rand((), generator=g, dtype=torch.float64).item() for g in gens], dtype=torch.float64
+    )
+    cdf = probs.cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return picked.clamp_(max=probs.size(-1) - 1)
+
+
 @torch.no_grad()
+def stream_samples(
+    model: GPT,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+    num_samples: int = 1,
+) -> Iterator[tuple[int, str]]:
+    """Each sample's text, samples in order, as (sample index, piece): the prompt, then what follows
+    it. Samples are made side by side in batches (`sample_batch_size`), each batch's printed when
+    it is done; a sample made alone (a long one) comes token by token, as it is made. Sample i
+    draws from its own CPU generator, seeded seed + i: the same samples in any batch and on any
+    device (to rounding).
+    The context is the last block_size tokens, so memory stays bounded however long a sample is."""
+    device = next(model.parameters()).device
+    m = model.cfg
+    vocab = tokenizer.vocab_size
+    if vocab > model.lm_head.out_features:
+        raise DataError(
+            f"the tokenizer has {vocab} tokens, the model {model.lm_head.out_features}: not the model's "
+            "tokenizer (check --tokenizer-path)"
+        )
+    try:
+        ids = tokenizer.encode(prompt) or [tokenizer.eot_token or 0]
+    except DataError as e:
+        raise DataError(f"--prompt: {e}") from e
+    batch = sample_batch_size(m, num_samples, max_new_tokens)
+    for first in range(0, num_samples, batch):
+        rows = range(first, min(first + batch, num_samples))
+        gens = [torch.Generator().manual_seed((seed + i) % 2**64) for i in rows]
+        decoders = [_Decoder(tokenizer) for _ in rows]
+        texts = [d(ids) for d in decoders]
+        live = len(rows) == 1
+        if live:
+            yield first, texts[0]
+            texts[0] = ""
+        idx = torch.tensor([ids[-m.block_size :]] * len(rows), dtype=torch.long, device=device)
+        for _ in range(max_new_tokens):
+            nxt = _next_tokens(model, idx, temperature, top_k, vocab, gens)  # (B,)
+            idx = torch.cat((idx, nxt[:, None].to(device)), dim=1)[:, -m.block_size :]
+            for r, token in enumerate(nxt.tolist()):
+                piece = decoders[r]([token])
+                if live and piece:
+                    yield first, piece
+                elif not live:
+                    texts[r] += piece
+        for r, i in enumerate(rows):
+            yield i, texts[r] + decoders[r].flush()
+
+
 def generate(
     model: GPT,
     tokenizer: Tokenizer,
@@ -437,9 +707,10 @@ def generate(
     seed: int,
     num_samples: int = 1,
 ) -> list[str]:
-    device = next(model.parameters()).device
-    ids = tokenizer.encode(prompt) or [tokenizer.eot_token or 0]
-    gen = torch.Generator(device=device).manual_seed(seed)
-    idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen)
-    return [str(tokenizer.decode(row.tolist())) for row in out]
+    """The samples of `stream_samples`, whole."""
+    texts = [""] * num_samples
+    for i, piece in stream_samples(
+        model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, num_samples
+    ):
+        texts[i] += piece
+    return texts

@@ -1,16 +1,25 @@
 """`pretrain plot RUN_DIR`: a PNG of a run's metrics.csv: loss (train and val), LR and tokens/s, with
-its resumes and world-size changes marked (from starts.csv, which each start of training appends to)."""
+its resumes and world-size changes marked (from starts.csv, which each start of training appends to).
+
+The PNG goes to exactly the path given (`--out`, default RUN_DIR/metrics.png), written atomically, and
+only over nothing or a PNG: never over a directory or another file. A row of metrics.csv or starts.csv
+that is not numbers (a damaged or hand-edited file) is left out and counted, never a traceback."""
 
 from __future__ import annotations
 
-import csv
+import io
 import itertools
+import os
+from collections.abc import Callable
 from pathlib import Path
 
-from pretrain.errors import DataError, require
-from pretrain.files import read_csv
+from pretrain.errors import DataError, OutputError, require
+from pretrain.files import make_dir, not_ours, read_csv_tolerant, write_atomic
 
 STARTS = "starts.csv"
+METRICS = {"step", "loss", "val_loss", "lr", "tokens_per_s", "tokens_per_s_per_rank"}  # what is drawn
+# Suffixes of image and document formats that are not PNG: a PNG written under one would be misnamed.
+NOT_PNG = {".jpg", ".jpeg", ".svg", ".svgz", ".pdf", ".eps", ".ps", ".tif", ".tiff", ".webp", ".gif", ".bmp"}
 
 
 def _series(rows: list[dict[str, float | None]], key: str) -> tuple[list[float], list[float]]:
@@ -23,14 +32,44 @@ def _series(rows: list[dict[str, float | None]], key: str) -> tuple[list[float],
     return xs, ys
 
 
-def run_events(run_dir: Path) -> list[tuple[int, str]]:
+def _skipped(path: Path, count: int, lines: list[int]) -> str:
+    s = "" if count == 1 else "s"
+    where = f" (line{'' if len(lines) == 1 else 's'} {', '.join(map(str, lines[:5]))}{', ...' if len(lines) > 5 else ''})"
+    return (
+        f"{path}: skipped {count} malformed row{s}{where if lines else ''}: a cell that is not a number, "
+        "more cells than the header, or bytes that are not text"
+    )
+
+
+def _read(path: Path, columns: set[str]) -> tuple[list[str], list[dict[str, float | None]], list[int]]:
+    if not path.is_file():
+        what = "not a regular file" if path.exists() else "no such file"
+        raise DataError(f"{path}: {what} (is {path.parent} a run directory?)")
+    try:
+        return read_csv_tolerant(path, columns)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from e
+
+
+def run_events(run_dir: Path, report: Callable[[str], None] | None = None) -> list[tuple[int, str]]:
     """(step, label) of each resume (or restart) of the run, naming a world-size change, from
-    starts.csv; none for a run without one (written before it existed)."""
+    starts.csv; none for a run without one (written before it existed). Malformed rows are skipped
+    and `report`ed."""
     path = run_dir / STARTS
     if not path.is_file():
         return []
-    with path.open(newline="") as f:
-        starts = [(int(r["step"]), int(r["world_size"])) for r in csv.DictReader(f) if r.get("step")]
+    _, rows, bad = _read(path, {"step", "world_size"})
+    starts, odd = [], 0
+    for r in rows:
+        step, world = r.get("step"), r.get("world_size")
+        if step is None or world is None:
+            continue  # a start that recorded no step: nothing to mark
+        if not (0 <= step < 2**63 and 1 <= world < 2**31 and step == int(step) and world == int(world)):
+            odd += 1  # numbers, but not a step and a world size
+            continue
+        starts.append((int(step), int(world)))
+    if (bad or odd) and report is not None:
+        report(_skipped(path, len(bad) + odd, bad))
     events = []
     for (_, before), (step, world) in itertools.pairwise(starts):
         label = f"resume at step {step}" if step else "restart from step 0"
@@ -38,14 +77,43 @@ def run_events(run_dir: Path) -> list[tuple[int, str]]:
     return events
 
 
-def plot_run(run_dir: Path, out: Path | None = None) -> Path:
-    """Write `<run_dir>/metrics.png` (or `out`) and return its path."""
+def output_path(run_dir: Path, out: str | Path | None) -> Path:
+    """Where the PNG goes: exactly `out` (default RUN_DIR/metrics.png), or one OutputError with the
+    fix: a directory, a suffix of another image format, or a file that is not a PNG."""
+    flag = f"--out {out}" if out is not None else f"{run_dir / 'metrics.png'} (the default --out)"
+    path = Path(out) if out is not None else run_dir / "metrics.png"
+    if str(out).endswith(os.sep) or path.is_dir():
+        raise OutputError(
+            f"{flag}: is a directory; --out names the PNG file to write, e.g. --out {path / 'metrics.png'}"
+        )
+    if path.suffix.lower() in NOT_PNG:
+        raise OutputError(
+            f"{flag}: plot writes a PNG, not a {path.suffix} file: name it {path.with_suffix('.png').name} "
+            "(or give no suffix)"
+        )
+    if not_ours([path], lambda data: data.startswith(b"\x89PNG")):
+        fix = "choose another file" if out is not None else "pass --out to write elsewhere"
+        raise OutputError(f"{flag}: exists and is not a PNG; refusing to overwrite it: {fix}")
+    return path
+
+
+def plot_run(
+    run_dir: Path, out: str | Path | None = None, report: Callable[[str], None] | None = None
+) -> Path:
+    """Write the PNG to exactly `output_path(run_dir, out)` and return that path. Rows left out of
+    metrics.csv or starts.csv are `report`ed, with their count and line numbers."""
+    target = output_path(run_dir, out)
     path = run_dir / "metrics.csv"
-    if not path.is_file():
-        raise DataError(f"{path}: no such file (is {run_dir} a run directory?)")
-    rows = read_csv(path)
+    header, rows, bad = _read(path, METRICS)
+    if not {"step", "loss"} <= set(header):
+        raise DataError(
+            f"{path}: not a run's metrics.csv (its first line is not a header with step and loss columns)"
+        )
+    if bad and report is not None:
+        report(_skipped(path, len(bad), bad))
     if not any(r.get("loss") is not None for r in rows):
         raise DataError(f"{path}: no training steps logged yet")
+    events = run_events(run_dir, report)
 
     matplotlib = require("matplotlib", "`pretrain plot`", "plot")  # only to draw: seconds to import
     matplotlib.use("Agg")  # files only, no display
@@ -81,7 +149,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     ax_tps.set_xlabel("optimizer step")
     ax_tps.grid(alpha=0.3)
 
-    for step, label in run_events(run_dir):
+    for step, label in events:
         resized = "world size" in label
         for ax in (ax_loss, ax_lr, ax_tps):
             ax.axvline(step, color="tab:red" if resized else "tab:gray", linestyle=":", linewidth=1.2)
@@ -97,7 +165,14 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
             color="tab:red" if resized else "tab:gray",
         )
 
-    out = out or run_dir / "metrics.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    png = io.BytesIO()
+    try:
+        fig.savefig(png, format="png", dpi=110)  # PNG whatever the name: matplotlib would add ".png"
+    finally:
+        plt.close(fig)
+    make_dir(target.parent, "--out", OutputError)
+    try:
+        write_atomic(target, png.getvalue())
+    except OSError as e:
+        raise OutputError(f"--out {target}: cannot write it ({e.strerror or e}); choose another path") from e
+    return target

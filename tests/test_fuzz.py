@@ -98,6 +98,12 @@ def _files(root: Path) -> dict[str, Path]:
     (f["loop"] / "b").symlink_to(f["loop"] / "a")
     f["fifo"] = root / "fifo"
     os.mkfifo(f["fifo"])
+    f["bad-run"] = root / "bad-run"  # a run dir whose metrics are damaged
+    f["bad-run"].mkdir()
+    (f["bad-run"] / "metrics.csv").write_bytes(
+        b"step,loss,lr\n1,2.5,0.1\n2,abc\n\xff\x00\xfe\n" + b"9," * 99 + b"\n"
+    )
+    (f["bad-run"] / "starts.csv").write_bytes(b"step,world_size\nnan,1\n\x00\n")
     f["under-a-file"] = f["binary"] / "x"
     f["missing"] = root / "missing"
     f["dev-null"] = Path("/dev/null")
@@ -197,6 +203,12 @@ def _fixed_cases(f: dict[str, Path], precious: dict[str, Path]) -> list[list[str
         ["launch-env", "--output", str(precious["precious-dir"] / ".deepspeed_env")],
         ["launch-env", "--output", str(precious["precious-file"])],
         ["plot", str(precious["precious-run"]), "--out", str(precious["precious-file"])],
+        ["plot", str(f["bad-run"])],
+        ["plot", str(f["bad-run"]), "--out", str(f["bad-run"])],
+        ["plot", str(f["bad-run"]), "--out", str(precious["precious-file"]) + ".pdf"],
+        ["render", "--out-dir", str(precious["precious-dir"])],
+        ["render", "--all", "--check", "--out-dir", str(precious["precious-dir"])],
+        ["render", "--all", "--out-dir", str(precious["precious-run"])],
         [
             "data",
             "prepare",
@@ -214,6 +226,7 @@ def _fixed_cases(f: dict[str, Path], precious: dict[str, Path]) -> list[list[str
         ["data", "prepare", f"--set=data.corpus={f['under-a-file']}"],
         ["sample", str(precious["precious-run"]), "--temperature", "0"],
         ["sample", str(f["binary"])],
+        ["sample", str(precious["precious-run"]), "--seed", "9" * 30, "--num-samples", "9" * 12],
         ["convert", str(precious["precious-run"])],
     ]
     return cases
