@@ -20,6 +20,7 @@ import os
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -416,7 +417,31 @@ def _add_checkpoint_parsers(sub: Any) -> None:
 
     p = sub.add_parser("sample", help="Generate text from a checkpoint or an export.")
     p.add_argument("src", metavar="CHECKPOINT_OR_EXPORT", help=src_help + " Or an export dir.")
-    p.add_argument("--prompt", default="\n", help="Text to continue (default: a newline).")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        help="Text to continue (default: a newline). Repeat it for several prompts, generated in one "
+        "batch and printed in order.",
+    )
+    p.add_argument(
+        "--prompt-file",
+        metavar="FILE",
+        help="Prompts, one per line (UTF-8; an empty line is an empty prompt), instead of --prompt.",
+    )
+    p.add_argument(
+        "--stop",
+        action="append",
+        type=_stop,
+        default=[],
+        metavar="STR",
+        help="End a sample where its text (after the prompt) first holds STR; STR is not printed. "
+        "Repeatable: the first of them ends it.",
+    )
+    p.add_argument(
+        "--no-kv-cache",
+        action="store_true",
+        help="Compute the whole context for every token, without the KV cache (the same text, slower).",
+    )
     p.add_argument(
         "--max-new-tokens",
         type=COUNT,
@@ -546,39 +571,89 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_sample(args: argparse.Namespace) -> int:
-    from pretrain.export import MAX_SAMPLE_TOKENS, load_model, stream_samples, tokenizer_for  # torch
+def _stop(text: str) -> str:
+    """--stop's argparse type: a string that can end a sample (an empty one would end each at once)."""
+    if not text:
+        raise argparse.ArgumentTypeError(
+            "an empty stop string would end every sample before its first token: give the text that "
+            "ends a sample, e.g. --stop $'\\n\\n'"
+        )
+    return text
 
-    if args.num_samples * args.max_new_tokens > MAX_SAMPLE_TOKENS:
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    """--prompt's texts, or --prompt-file's lines; a newline without either."""
+    if args.prompt_file is None:
+        return args.prompt or ["\n"]
+    if args.prompt:
+        raise ConfigError(
+            ["--prompt and --prompt-file both given: give the prompts one way (--prompt for each, or "
+             "one per line in --prompt-file)"],
+            "sample",
+        )  # fmt: skip
+    path = Path(args.prompt_file)
+    fix = "give a text file of prompts, one per line"
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "no such file" if not path.exists() else "not a file"
+        raise ConfigError([f"--prompt-file {path}: {what}; {fix}"], "sample")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"--prompt-file {path}: not UTF-8 text ({e}); save it as UTF-8"], "sample") from e
+    except OSError as e:
+        raise ConfigError(
+            [f"--prompt-file {path}: cannot read it ({e.strerror or e}); {fix}"], "sample"
+        ) from e
+    prompts = text.splitlines()
+    if not prompts:
+        raise ConfigError([f"--prompt-file {path}: empty; write one prompt per line"], "sample")
+    return prompts
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from pretrain.export import MAX_SAMPLE_TOKENS, SampleCount, load_model, stream_samples, tokenizer_for
+
+    prompts = _prompts(args)
+    if len(prompts) * args.num_samples * args.max_new_tokens > MAX_SAMPLE_TOKENS:
+        many = f"{len(prompts)} prompts x " if len(prompts) > 1 else ""
         raise ConfigError(
             [
-                f"--num-samples {args.num_samples} x --max-new-tokens {args.max_new_tokens} = "
-                f"{args.num_samples * args.max_new_tokens:,} tokens: more than one `sample` makes "
-                f"({MAX_SAMPLE_TOKENS:,}); ask for fewer, or run it several times with other --seed values"
+                f"{many}--num-samples {args.num_samples} x --max-new-tokens {args.max_new_tokens} = "
+                f"{len(prompts) * args.num_samples * args.max_new_tokens:,} tokens: more than one `sample` "
+                f"makes ({MAX_SAMPLE_TOKENS:,}); ask for fewer, or run it several times with other "
+                "--seed values" + (" or prompts" if many else "")
             ],
             "sample",
         )
     _check_device(args.device)
     model, cfg, where = load_model(Path(args.src), device=args.device, checksums=not args.no_checksums)
     tokenizer = tokenizer_for(where, cfg, args.tokenizer_path)
+    count = SampleCount()
     samples = stream_samples(
         model,
         tokenizer,
-        args.prompt,
+        prompts,
         args.max_new_tokens,
         args.temperature,
         args.top_k or None,
         args.seed,
         args.num_samples,
+        stop=args.stop,
+        kv_cache=not args.no_kv_cache,
+        count=count,
     )
     current = -1
+    start = time.perf_counter()
     try:
         for i, piece in samples:  # printed as it comes: a sample made alone, token by token
             if i != current:
                 if current >= 0:
                     sys.stdout.write("\n")
-                if args.num_samples > 1:
-                    sys.stdout.write(f"--- sample {i + 1} ---\n")
+                p, n = divmod(i, args.num_samples)  # prompt p's sample n
+                heads = [f"prompt {p + 1}"] * (len(prompts) > 1)
+                heads += [f"sample {n + 1}"] * (args.num_samples > 1)
+                if heads:
+                    sys.stdout.write(f"--- {', '.join(heads)} ---\n")
                 current = i
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -594,6 +669,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
             [f"--device {args.device}: out of memory generating ({first}); ask for fewer --num-samples"],
             "sample",
         ) from e
+    seconds = time.perf_counter() - start
+    print(
+        f"{count.tokens:,} tokens in {seconds:.2f} s: {count.tokens / max(seconds, 1e-9):,.1f} tokens/s "
+        f"({'without' if args.no_kv_cache else 'with'} the KV cache, --device {args.device})",
+        file=sys.stderr,
+    )
     return 0
 
 

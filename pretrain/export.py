@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,18 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
-from pretrain.config.tree import ModelConfig, RunConfig
-from pretrain.data.tokenizer import BPE_RANKS_FILE, ENDOFTEXT, Tokenizer, hf_tokenizer, load_tokenizer
+from pretrain.config.tree import ModelConfig, RunConfig, required_vocab_size
+from pretrain.data.tokenizer import (
+    BPE_RANKS_FILE,
+    ENDOFTEXT,
+    UNK,
+    Tokenizer,
+    hf_added_tokens,
+    hf_eot_token,
+    hf_tokenizer,
+    hf_vocab_size,
+    load_tokenizer,
+)
 from pretrain.errors import CheckpointError, DataError, OutputError, PretrainError
 from pretrain.files import (
     check_output_dir,
@@ -48,7 +59,7 @@ from pretrain.files import (
     write_atomic,
 )
 from pretrain.training import checkpoint
-from pretrain.training.model import GPT, NORM_EPS
+from pretrain.training.model import GPT, NORM_EPS, KVCache
 
 WEIGHTS = "model.safetensors"
 INFO = "pretrain.json"
@@ -233,10 +244,29 @@ def hf_architecture(m: ModelConfig) -> str:
     return "GPT2LMHeadModel" if m.position == "learned" else "GPTNeoXForCausalLM"
 
 
-def hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our parameters under the names and layouts of `hf_architecture(m)`."""
+def hf_vocab_rows(m: ModelConfig, tok: Tokenizer | None) -> int:
+    """The embedding rows of the Hugging Face model: the model's, or more where the Hugging Face
+    tokenizer has more ids (the char tokenizer's <|endoftext|> and <unk>, `hf_added_tokens`), so
+    that every id it gives indexes the embedding."""
+    rows = required_vocab_size(m)
+    return rows if tok is None else max(rows, hf_vocab_size(tok))
+
+
+def hf_state_dict(
+    sd: dict[str, torch.Tensor], m: ModelConfig, rows: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Our parameters under the names and layouts of `hf_architecture(m)`; the embedding and head
+    padded with zero rows up to `rows` (`hf_vocab_rows`): ids our model has no row for, which the
+    generation config suppresses."""
     d, f, kv = m.n_embd, m.ffn_hidden, m.kv_heads * m.head_size
     arch = hf_architecture(m)
+    rows = rows or required_vocab_size(m)
+    if rows > required_vocab_size(m):
+        grow = rows - required_vocab_size(m)
+        sd = dict(sd)
+        for name in ("wte.weight", "lm_head.weight"):
+            if name in sd:
+                sd[name] = torch.cat([sd[name], sd[name].new_zeros(grow, d)])
 
     def bias(name: str, size: int) -> torch.Tensor:
         return sd.get(name, torch.zeros(size, dtype=sd["wte.weight"].dtype))
@@ -325,8 +355,12 @@ def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _special_ids(tok: Tokenizer | None) -> dict[str, int]:
-    eot = tok.eot_token if tok is not None else None
-    return {} if eot is None else {"bos_token_id": eot, "eos_token_id": eot}
+    """<|endoftext|> as bos and eos: the tokenizer's own, or the one the char tokenizer's Hugging Face
+    tokenizer adds (`hf_added_tokens`)."""
+    if tok is None:
+        return {}
+    eot = hf_eot_token(tok)
+    return {"bos_token_id": eot, "eos_token_id": eot}
 
 
 def hf_config(m: ModelConfig, dtype: str, tok: Tokenizer | None) -> dict[str, Any]:
@@ -334,7 +368,7 @@ def hf_config(m: ModelConfig, dtype: str, tok: Tokenizer | None) -> dict[str, An
     arch = hf_architecture(m)
     common: dict[str, Any] = {
         "architectures": [arch],
-        "vocab_size": m.vocab_size,
+        "vocab_size": hf_vocab_rows(m, tok),
         "tie_word_embeddings": m.tie_embeddings,
         "initializer_range": 0.02,
         "torch_dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
@@ -372,7 +406,7 @@ def hf_config(m: ModelConfig, dtype: str, tok: Tokenizer | None) -> dict[str, An
             **common,
             **shape,
             "model_type": "gpt_neox",
-            "hidden_act": "gelu",  # exact erf GELU, as ours
+            "hidden_act": _HF_GELU[m.activation],
             "layer_norm_eps": NORM_EPS,
             "use_parallel_residual": False,  # x + attn(ln_1(x)), then + mlp(ln_2(.)), as ours
             "rotary_pct": 1.0,  # transformers < 5 reads these two keys
@@ -390,7 +424,7 @@ def hf_config(m: ModelConfig, dtype: str, tok: Tokenizer | None) -> dict[str, An
         "n_layer": m.n_layer,
         "n_head": m.n_head,
         "n_inner": m.ffn_hidden,
-        "activation_function": "gelu",  # exact erf GELU, as nn.GELU(); GPT-2's own is "gelu_new"
+        "activation_function": _HF_GELU[m.activation],
         "resid_pdrop": m.dropout,
         "embd_pdrop": m.dropout,
         "attn_pdrop": m.dropout,
@@ -401,31 +435,52 @@ def hf_config(m: ModelConfig, dtype: str, tok: Tokenizer | None) -> dict[str, An
     }
 
 
+# Our activations by the names transformers' ACT2FN gives them (GPT-2's own "gelu_new" is the tanh one).
+_HF_GELU = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
+
+
 def hf_tokenizer_config(tok: Tokenizer, m: ModelConfig) -> dict[str, Any]:
     """tokenizer_config.json: the generic fast tokenizer over tokenizer.json, nothing added to the
-    text. Special tokens split: a literal "<|endoftext|>" in text is plain text, as in ours."""
-    specials = {} if tok.eot_token is None else {"bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT}
+    text. <|endoftext|> is bos, eos and pad (the char tokenizer's is added, `hf_added_tokens`), and
+    a batch is padded on the left, where generation continues each row from its last token. Special
+    tokens split: a literal "<|endoftext|>" (or "<unk>") in text is plain text, as in ours."""
+    unk = {"unk_token": UNK} if UNK in hf_added_tokens(tok) else {}
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": m.block_size,
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": True,
-        **specials,
+        "padding_side": "left",
+        "bos_token": ENDOFTEXT,
+        "eos_token": ENDOFTEXT,
+        "pad_token": ENDOFTEXT,
+        **unk,
     }
 
 
 def hf_generation_config(tok: Tokenizer, m: ModelConfig) -> dict[str, Any]:
     """generation_config.json: `pretrain sample`'s defaults (temperature 0.8, top-k 200), up to
-    the context length; end-of-text ends a sample and pads a batch."""
+    the context length; end-of-text ends a sample and pads a batch. Ids past our tokenizer's
+    vocabulary (a padded model's rows, the char tokenizer's added tokens) are suppressed: they are
+    never generated, as `pretrain sample` draws among the tokenizer's ids only."""
     ids = _special_ids(tok)
-    pad = {"pad_token_id": ids["eos_token_id"]} if ids else {}
-    return {"do_sample": True, "temperature": 0.8, "top_k": 200, "max_length": m.block_size, **ids, **pad}
+    beyond = list(range(tok.vocab_size, hf_vocab_rows(m, tok)))
+    suppress = {"suppress_tokens": beyond} if beyond else {}
+    return {
+        "do_sample": True,
+        "temperature": 0.8,
+        "top_k": 200,
+        "max_length": m.block_size,
+        **ids,
+        "pad_token_id": ids["eos_token_id"],
+        **suppress,
+    }
 
 
 def write_hf(out: Path, m: ModelConfig, sd: dict[str, torch.Tensor], dtype: str, tok: Tokenizer) -> None:
     """The Hugging Face directory `out` (created) of the weights `sd` (ours, cast to `dtype`)."""
     out.mkdir()
-    save_file(hf_state_dict(sd, m), str(out / WEIGHTS), metadata={"format": "pt"})
+    save_file(hf_state_dict(sd, m, hf_vocab_rows(m, tok)), str(out / WEIGHTS), metadata={"format": "pt"})
     default_mode(out / WEIGHTS)
     write_atomic(out / "tokenizer.json", hf_tokenizer(tok).to_str())
     for name, obj in (
@@ -609,20 +664,50 @@ class _Decoder:
         return "" if self.utf8 is None else str(self.utf8.decode(b"", final=True))
 
 
+class _Continuation:
+    """What a sample adds to its prompt, piece by piece, ended before the first stop string in it:
+    `add` returns the text that can be shown now, holding back an end that may begin a stop string."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = [s for s in stop if s]
+        self.pending = ""  # made, not yet shown: no stop string begins before it
+        self.done = False  # a stop string came
+
+    def add(self, text: str, final: bool = False) -> str:
+        self.pending += text
+        found = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        if found:
+            self.done = True
+            shown, self.pending = self.pending[: min(found)], ""
+            return shown
+        cut = len(self.pending) - (0 if final else self._held())
+        shown, self.pending = self.pending[:cut], self.pending[cut:]
+        return shown
+
+    def _held(self) -> int:
+        """The length of the longest end of `pending` that begins a stop string."""
+        for n in range(min(len(self.pending), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
+            if any(s.startswith(self.pending[-n:]) for s in self.stop):
+                return n
+        return 0
+
+
+@dataclasses.dataclass
+class SampleCount:
+    """What a `stream_samples` has made so far: tokens generated, all samples together."""
+
+    tokens: int = 0
+
+
 def _next_tokens(
-    model: GPT,
-    idx: torch.Tensor,
-    temperature: float,
-    top_k: int | None,
-    vocab: int,
-    gens: list[torch.Generator],
+    logits: torch.Tensor, temperature: float, top_k: int | None, vocab: int, gens: list[torch.Generator]
 ) -> torch.Tensor:
-    """One token for each row of `idx` (B, T), on the CPU, row r drawn with `gens[r]`, among the
-    tokenizer's `vocab` ids only (a model's vocabulary may be padded past the tokenizer's)."""
-    logits, _ = model(idx)
+    """One token for each row of the next-token `logits` (B, V), on the CPU, row r drawn with
+    `gens[r]`, among the tokenizer's `vocab` ids only (a model's vocabulary may be padded past the
+    tokenizer's)."""
     # (B, vocab), drawn from on the CPU in float64 (a temperature of 1e-300 is not 0 there; MPS has no
     # float64): the same samples on every device, to the model's rounding.
-    logits = logits[:, -1, :vocab].to("cpu", torch.float64)
+    logits = logits[:, :vocab].to("cpu", torch.float64)
     # Shifted so that the likeliest is 0 before dividing: a tiny temperature is greedy, never 0/0.
     logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if top_k is not None:
@@ -648,19 +733,28 @@ def _next_tokens(
 def stream_samples(
     model: GPT,
     tokenizer: Tokenizer,
-    prompt: str,
+    prompt: str | Sequence[str],
     max_new_tokens: int,
     temperature: float,
     top_k: int | None,
     seed: int,
     num_samples: int = 1,
+    *,
+    stop: Sequence[str] = (),
+    kv_cache: bool = True,
+    count: SampleCount | None = None,
 ) -> Iterator[tuple[int, str]]:
     """Each sample's text, samples in order, as (sample index, piece): the prompt, then what follows
-    it. Samples are made side by side in batches (`sample_batch_size`), each batch's printed when
-    it is done; a sample made alone (a long one) comes token by token, as it is made. Sample i
-    draws from its own CPU generator, seeded seed + i: the same samples in any batch and on any
-    device (to rounding).
-    The context is the last block_size tokens, so memory stays bounded however long a sample is."""
+    it. With several prompts, prompt p's sample i is sample p * num_samples + i. Sample i of a prompt
+    draws from its own CPU generator, seeded seed + i: the samples of a prompt among others are the
+    ones it has alone, in any batch and on any device (to rounding).
+
+    Samples whose prompts are as long (in tokens) are made side by side in batches
+    (`sample_batch_size`), each batch's printed when it is done; a sample made alone (a long one)
+    comes token by token, as it is made. A sample ends after max_new_tokens tokens, or before the
+    first of the `stop` strings in what it adds to the prompt (a stop string is not part of it).
+    The context is the last block_size tokens, so memory stays bounded however long a sample is;
+    the KV cache (`GPT.next_logits`) gives the tokens a forward of the whole context gives."""
     device = next(model.parameters()).device
     m = model.cfg
     vocab = tokenizer.vocab_size
@@ -669,48 +763,115 @@ def stream_samples(
             f"the tokenizer has {vocab} tokens, the model {model.lm_head.out_features}: not the model's "
             "tokenizer (check --tokenizer-path)"
         )
-    try:
-        ids = tokenizer.encode(prompt) or [tokenizer.eot_token or 0]
-    except DataError as e:
-        raise DataError(f"--prompt: {e}") from e
-    batch = sample_batch_size(m, num_samples, max_new_tokens)
-    for first in range(0, num_samples, batch):
-        rows = range(first, min(first + batch, num_samples))
-        gens = [torch.Generator().manual_seed((seed + i) % 2**64) for i in rows]
-        decoders = [_Decoder(tokenizer) for _ in rows]
-        texts = [d(ids) for d in decoders]
-        live = len(rows) == 1
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    contexts = []
+    for p, text in enumerate(prompts):
+        try:
+            ids = tokenizer.encode(text) or [tokenizer.eot_token or 0]
+        except DataError as e:
+            raise DataError(f"--prompt{'' if len(prompts) == 1 else f' {p + 1}'}: {e}") from e
+        contexts.append(ids[-m.block_size :])
+    samples = [(p, i) for p in range(len(prompts)) for i in range(num_samples)]  # sample k's prompt, i
+    # A batch's samples start from contexts of one length: one position (and cache position) for all.
+    batch = sample_batch_size(m, len(samples), max_new_tokens)
+    batches: list[list[int]] = []
+    for n in dict.fromkeys(len(c) for c in contexts):  # the lengths, in the order of their first prompt
+        same = [k for k, (p, _) in enumerate(samples) if len(contexts[p]) == n]
+        batches += [same[j : j + batch] for j in range(0, len(same), batch)]
+    done: dict[int, str] = {}  # samples made and not yet printed: one before them is not made yet
+    printed = 0
+    for ks in batches:
+        live = ks == [printed]
+        made = _sample_batch(
+            model, tokenizer, [contexts[samples[k][0]] for k in ks], [seed + samples[k][1] for k in ks],
+            max_new_tokens, temperature, top_k, stop, kv_cache, count, device, live,
+        )  # fmt: skip
+        for r, text in made:
+            if live:
+                yield printed, text
+            else:
+                done[ks[r]] = done.get(ks[r], "") + text
+        printed += live
+        while printed in done:
+            yield printed, done.pop(printed)
+            printed += 1
+
+
+def _sample_batch(
+    model: GPT,
+    tokenizer: Tokenizer,
+    contexts: list[list[int]],
+    seeds: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    stop: Sequence[str],
+    kv_cache: bool,
+    count: SampleCount | None,
+    device: torch.device,
+    live: bool,
+) -> Iterator[tuple[int, str]]:
+    """The texts of one batch of samples from contexts of one length, as (row, piece): each row's
+    whole at the end, or, `live`, the one row's piece by piece as its tokens come."""
+    m = model.cfg
+    gens = [torch.Generator().manual_seed(s % 2**64) for s in seeds]
+    decoders = [_Decoder(tokenizer) for _ in contexts]
+    ends = [_Continuation(stop) for _ in contexts]
+    texts = [d(c) for d, c in zip(decoders, contexts, strict=True)]
+    if live:
+        yield 0, texts[0]
+        texts[0] = ""
+    idx = torch.tensor(contexts, dtype=torch.long, device=device)  # (B, T)
+    cache = KVCache(m.n_layer, m.block_size) if kv_cache else None
+    rows = list(range(len(contexts)))  # the rows still generating, in idx's order
+    for _ in range(max_new_tokens):
+        nxt = _next_tokens(model.next_logits(idx, cache), temperature, top_k, tokenizer.vocab_size,
+                           [gens[r] for r in rows])  # fmt: skip
+        if count is not None:
+            count.tokens += len(rows)
+        idx = torch.cat((idx, nxt[:, None].to(device)), dim=1)[:, -m.block_size :]
+        for r, token in zip(rows, nxt.tolist(), strict=True):
+            piece = ends[r].add(decoders[r]([token]))
+            if live and piece:
+                yield r, piece
+            elif not live:
+                texts[r] += piece
+        going = [j for j, r in enumerate(rows) if not ends[r].done]
+        if len(going) < len(rows):  # a stop string ended some samples: go on without them
+            if not going:
+                break
+            keep = torch.tensor(going, device=device)
+            idx, rows = idx[keep], [rows[j] for j in going]
+            if cache is not None:
+                cache.keep(keep)
+    for r in range(len(contexts)):
+        rest = "" if ends[r].done else ends[r].add(decoders[r].flush(), final=True)
         if live:
-            yield first, texts[0]
-            texts[0] = ""
-        idx = torch.tensor([ids[-m.block_size :]] * len(rows), dtype=torch.long, device=device)
-        for _ in range(max_new_tokens):
-            nxt = _next_tokens(model, idx, temperature, top_k, vocab, gens)  # (B,)
-            idx = torch.cat((idx, nxt[:, None].to(device)), dim=1)[:, -m.block_size :]
-            for r, token in enumerate(nxt.tolist()):
-                piece = decoders[r]([token])
-                if live and piece:
-                    yield first, piece
-                elif not live:
-                    texts[r] += piece
-        for r, i in enumerate(rows):
-            yield i, texts[r] + decoders[r].flush()
+            if rest:
+                yield r, rest
+        else:
+            yield r, texts[r] + rest
 
 
 def generate(
     model: GPT,
     tokenizer: Tokenizer,
-    prompt: str,
+    prompt: str | Sequence[str],
     max_new_tokens: int,
     temperature: float,
     top_k: int | None,
     seed: int,
     num_samples: int = 1,
+    *,
+    stop: Sequence[str] = (),
+    kv_cache: bool = True,
 ) -> list[str]:
     """The samples of `stream_samples`, whole."""
-    texts = [""] * num_samples
+    n = num_samples * (1 if isinstance(prompt, str) else len(prompt))
+    texts = [""] * n
     for i, piece in stream_samples(
-        model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, num_samples
-    ):
+        model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, num_samples,
+        stop=stop, kv_cache=kv_cache,
+    ):  # fmt: skip
         texts[i] += piece
     return texts

@@ -15,7 +15,16 @@ import pytest
 import torch
 
 from pretrain.config.tree import RunConfig
-from pretrain.data.tokenizer import BPETokenizer, CharTokenizer, TiktokenTokenizer, Tokenizer, count_words
+from pretrain.data.tokenizer import (
+    UNK,
+    BPETokenizer,
+    CharTokenizer,
+    TiktokenTokenizer,
+    Tokenizer,
+    count_words,
+    hf_added_tokens,
+    hf_vocab_size,
+)
 from pretrain.export import hf_architecture, write_hf
 from pretrain.training.model import GPT
 from tests.conftest import GPT2_RANKS, TINY_SHAKESPEARE
@@ -64,7 +73,9 @@ def logit_difference(ours: GPT, hf_dir: Path, ids: list[int]) -> float:
     with torch.no_grad():
         logits, _ = ours(idx, idx)  # with targets: logits at every position
         theirs = hf(idx).logits
-    return (logits - theirs).abs().max().item()
+    # Rows past ours (the char tokenizer's added tokens) are zeros: their logits are 0.
+    assert not theirs[..., logits.size(-1) :].any()
+    return (logits - theirs[..., : logits.size(-1)]).abs().max().item()
 
 
 @pytest.mark.parametrize("kind", ["char", "gpt2", "bpe"])
@@ -77,7 +88,7 @@ def test_hf_tokenizer_and_logits_match_ours_for_each_tokenizer_kind(kind, tmp_pa
     assert theirs(val)["input_ids"] == ids  # the whole validation text, nothing added
     assert theirs.decode(ids) == val
     assert theirs("ROMEO:")["input_ids"] == tok.encode("ROMEO:") != []
-    assert len(theirs) == tok.vocab_size
+    assert len(theirs) == hf_vocab_size(tok) == tok.vocab_size + len(hf_added_tokens(tok))
     if tok.eot_token is not None:  # a literal end-of-text marker is text to us, and to it
         assert theirs("a<|endoftext|>")["input_ids"] == tok.encode("a<|endoftext|>")
         assert theirs.eos_token_id == tok.eot_token
@@ -159,3 +170,59 @@ def test_hf_dir_of_a_trained_export(exported):
         assert stat.S_IMODE(p.stat().st_mode) & 0o044 == 0o044, p.name
     out = transformers.pipeline("text-generation", model=str(exported / "hf"))("ROMEO:", max_new_tokens=5)
     assert out[0]["generated_text"].startswith("ROMEO:")
+
+
+UNICODE = "café naïve — 😀🎉 中文字 Ωμέγα\tend"
+
+
+@pytest.mark.parametrize("kind", ["char", "gpt2", "bpe"])
+def test_unicode_round_trips_or_is_the_unknown_token(kind, tmp_path):
+    """A byte-level BPE round-trips any text; the char tokenizer maps each character it does not know
+    to one <unk> (ours refuses it), never dropping it."""
+    tok = tokenizer(kind)
+    write_random_export(tmp_path / "hf", tok)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = theirs(UNICODE)["input_ids"]
+    back = theirs.decode(ids)
+    if kind == "char":
+        known = set(tok.chars)
+        assert back == "".join(c if c in known else UNK for c in UNICODE)
+        assert ids.count(theirs.unk_token_id) == sum(c not in known for c in UNICODE) > 0
+        assert theirs.decode(ids, skip_special_tokens=True) == "".join(c for c in UNICODE if c in known)
+    else:
+        assert ids == tok.encode(UNICODE) and back == UNICODE
+    assert theirs.pad_token == theirs.eos_token == theirs.bos_token == "<|endoftext|>"
+    assert theirs.padding_side == "left"
+
+
+@pytest.mark.parametrize(
+    ("kind", "model"),
+    [
+        ("char", {}),
+        ("char", {"position": "rope"}),
+        ("char", {"arch": "llama", "n_kv_head": 2}),
+        ("bpe", {}),
+        ("bpe", {"position": "rope", "vocab_size": 1088}),  # a padded vocabulary
+        ("bpe", {"arch": "llama", "n_kv_head": 2}),
+    ],
+)
+def test_batched_pipeline_pads_and_generates_what_each_prompt_alone_does(kind, model, tmp_path):
+    tok = tokenizer(kind)
+    write_random_export(tmp_path / "hf", tok, **model)
+    gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    rows = json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"]
+    assert (
+        gen["suppress_tokens"] == list(range(tok.vocab_size, rows))
+        if rows > tok.vocab_size
+        else "suppress_tokens" not in gen
+    )
+    pipe = transformers.pipeline("text-generation", model=str(tmp_path / "hf"))
+    prompts = ["ROMEO:", "JULIET: O Romeo, Romeo!", "A"]  # of different lengths: the batch is padded
+    greedy = {"max_new_tokens": 6, "do_sample": False, "return_full_text": False}
+    batched = pipe(prompts, batch_size=3, **greedy)
+    alone = [pipe(p, **greedy) for p in prompts]
+    assert [b[0]["generated_text"] for b in batched] == [a[0]["generated_text"] for a in alone]
+    sampled = pipe(prompts, batch_size=3, max_new_tokens=8)  # the generation config's sampling
+    for prompt, out in zip(prompts, sampled, strict=True):
+        text = out[0]["generated_text"]
+        assert text.startswith(prompt) and UNK not in text and len(text) > len(prompt)

@@ -461,10 +461,33 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
 
 
+UNK = "<unk>"  # the char tokenizer's Hugging Face stand-in for a character not in its vocabulary
+
+
+def hf_added_tokens(tok: Tokenizer) -> list[str]:
+    """The tokens the Hugging Face tokenizer of `tok` has beyond `tok`'s own vocabulary, in id order
+    from `tok.vocab_size`: the char tokenizer's end-of-text (bos, eos and pad; ours has none, its
+    documents are concatenated) and `<unk>` (ours raises on a character it does not know). A
+    byte-level BPE needs neither: its <|endoftext|> is its own, and every text has its bytes."""
+    return [ENDOFTEXT, UNK] if isinstance(tok, CharTokenizer) else []
+
+
+def hf_vocab_size(tok: Tokenizer) -> int:
+    """How many ids the Hugging Face tokenizer of `tok` gives: `tok`'s, and `hf_added_tokens`."""
+    return tok.vocab_size + len(hf_added_tokens(tok))
+
+
+def hf_eot_token(tok: Tokenizer) -> int:
+    """The id of <|endoftext|> in the Hugging Face tokenizer of `tok` (bos, eos and pad)."""
+    return tok.eot_token if tok.eot_token is not None else tok.vocab_size
+
+
 def hf_tokenizer(tok: Tokenizer) -> Any:
     """A `tokenizers.Tokenizer` that encodes and decodes as `tok` does (built offline).
 
-    char: each character its own token (a BPE without merges), decoded by concatenation.
+    char: each character its own token (a BPE without merges), decoded by concatenation; then
+    <|endoftext|> and <unk> (`hf_added_tokens`): a character ours would refuse is <unk>, one token
+    each, never dropped.
     gpt2/bpe: byte-level BPE with GPT-2's pre-tokenizer. To reproduce tiktoken exactly, a word
     that is itself a token is that token (`ignore_merges`), and every split of a token into two
     tokens is a merge, ranked by the token: tiktoken merges any adjacent pair whose concatenation
@@ -474,8 +497,11 @@ def hf_tokenizer(tok: Tokenizer) -> Any:
     from tokenizers import Tokenizer as HFTokenizer
 
     if isinstance(tok, CharTokenizer):
-        hf = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(tok.chars)}, merges=[]))
+        vocab = {c: i for i, c in enumerate(tok.chars)}
+        vocab.update({t: tok.vocab_size + i for i, t in enumerate(hf_added_tokens(tok))})
+        hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK, fuse_unk=False))
         hf.decoder = decoders.Fuse()
+        hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in hf_added_tokens(tok)])
         return hf
     ranks: dict[bytes, int] = tok.enc._mergeable_ranks
     to_str = _bytes_to_unicode()
@@ -490,8 +516,7 @@ def hf_tokenizer(tok: Tokenizer) -> Any:
         for i in range(1, len(token))
         if token[:i] in ranks and token[i:] in ranks
     )
-    eot = tok.eot_token if tok.eot_token is not None else len(ranks)
-    vocab[ENDOFTEXT] = eot
+    vocab[ENDOFTEXT] = hf_eot_token(tok)
     hf = HFTokenizer(models.BPE(vocab=vocab, merges=[(a, b) for _, a, b in merges], ignore_merges=True))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     hf.decoder = decoders.ByteLevel()

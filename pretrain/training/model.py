@@ -7,7 +7,8 @@
 
 The language-model head is tied to the token embedding unless `tie_embeddings` is false. RoPE
 rotates the pairs (i, i + hs/2) of each head, Hugging Face's `rotate_half` layout, so exported
-q/k weights need no permutation.
+q/k weights need no permutation. Generation keeps a KV cache (`KVCache`, `GPT.next_logits`): the
+prompt is computed once, then one token a step, with the tokens of a forward of the whole context.
 
 The model is a plain nn.Module and knows nothing about DeepSpeed or process groups; engine.py
 wraps it, pipeline.py cuts it into pipeline stages. Three things are shaped for parallelism all the
@@ -57,6 +58,38 @@ def norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.n_embd, eps=NORM_EPS, bias=cfg.bias)
 
 
+class KVCache:
+    """Every layer's keys and values of the first `pos` tokens of a batch, so that a forward takes
+    only the tokens after them (decoding: one) and attends to all. The buffers are (B, nkv, block_size,
+    hs), made at a layer's first forward from its keys' shape (under tensor parallelism, this rank's
+    heads). The positions of the cached keys are fixed: when the context outgrows block_size and its
+    window slides, every position changes and the cache must be filled again (`GPT.next_logits`)."""
+
+    def __init__(self, n_layer: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.pos = 0  # tokens cached
+        self.k: list[Tensor | None] = [None] * n_layer
+        self.v: list[Tensor | None] = [None] * n_layer
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k and v (B, nkv, T, hs) at positions pos..pos+T-1; return the keys and values of all
+        the tokens so far, (B, nkv, pos+T, hs) each."""
+        ck, cv = self.k[layer], self.v[layer]
+        if ck is None or cv is None:
+            B, nkv, _, hs = k.shape
+            ck = self.k[layer] = k.new_empty(B, nkv, self.block_size, hs)
+            cv = self.v[layer] = v.new_empty(B, nkv, self.block_size, hs)
+        end = self.pos + k.size(2)
+        ck[:, :, self.pos : end] = k
+        cv[:, :, self.pos : end] = v
+        return ck[:, :, :end], cv[:, :, :end]
+
+    def keep(self, rows: Tensor) -> None:
+        """Keep these rows of the batch only (the others are done)."""
+        self.k = [None if k is None else k[rows] for k in self.k]
+        self.v = [None if v is None else v[rows] for v in self.v]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -70,7 +103,9 @@ class CausalSelfAttention(nn.Module):
         setattr(self.c_proj, "is_residual_proj", True)  # noqa: B010 (nn.Module's setattr is typed for tensors)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None, cache: KVCache | None = None, layer: int = 0
+    ) -> Tensor:
         B, T, _ = x.size()  # batch, sequence length, n_embd
         qkv = self.c_attn(x)  # (B, T, (nh + 2 nkv) hs)
         # Under tensor parallelism c_attn holds only this rank's share of the heads (q, k and v
@@ -84,12 +119,21 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             # Positions enter only here: rotating q and k makes q·k depend on their distance.
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        mask = None
+        if cache is not None:
+            past = cache.pos
+            all_k, all_v = cache.update(layer, k, v)  # (B, nkv, past+T, hs)
+            if past:  # the new tokens see the cached ones too: query t sees keys 0..past+t
+                k, v = all_k, all_v
+                if T > 1:
+                    mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
         y = F.scaled_dot_product_attention(
             q,
             k,
             v,
+            attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=True,
+            is_causal=k.size(2) == T,  # no cached keys: plain causal attention
             enable_gqa=nkv != nh,  # each k/v head serves n_head/n_kv_head queries
         )  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, nh * self.hs)  # the heads' outputs side by side
@@ -103,6 +147,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.swiglu = cfg.arch == "llama"
+        self.gelu = "tanh" if cfg.activation == "gelu_tanh" else "none"  # gpt2's; GPT-2's own is tanh
         hidden = cfg.ffn_hidden
         self.c_fc = nn.Linear(cfg.n_embd, (2 if self.swiglu else 1) * hidden, bias=cfg.bias)
         self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
@@ -115,7 +160,7 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h)  # exact (erf) GELU
+            h = F.gelu(h, approximate=self.gelu)  # exact (erf) GELU, or its tanh approximation
         return self.dropout(self.c_proj(h))
 
 
@@ -127,8 +172,14 @@ class Block(nn.Module):
         self.ln_2 = norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), rope)
+    def forward(
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor] | None = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> Tensor:
+        x = x + self.attn(self.ln_1(x), rope, cache, layer)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -215,27 +266,34 @@ class GPT(nn.Module):
                 torch.manual_seed(init_seed(seed, name))
                 self.init_weights(module)
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        if idx.size(1) > self.cfg.block_size:
-            raise ValueError(
-                f"cannot forward a sequence of length {idx.size(1)}: block_size is {self.cfg.block_size}"
-            )
+    def forward(
+        self, idx: Tensor, targets: Tensor | None = None, cache: KVCache | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """Logits (and the loss, given targets) of idx (B, T). With a cache, idx is the tokens after
+        its `pos` cached ones, at positions pos..pos+T-1; their keys and values are added to it."""
+        start = 0 if cache is None else cache.pos
         T = idx.size(1)
+        if start + T > self.cfg.block_size:
+            raise ValueError(
+                f"cannot forward a sequence of length {start + T}: block_size is {self.cfg.block_size}"
+            )
         x = self.wte(idx)  # token embeddings (B, T, C)
         rope: tuple[Tensor, Tensor] | None = None
         if self.wpe is not None:
-            pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+            pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
             x = x + self.wpe(pos)  # position embeddings (T, C) broadcast over the batch
         else:
-            rope = (self.rope_cos[:T], self.rope_sin[:T])  # (T, hs/2) each
+            rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])  # (T, hs/2) each
         x = self.drop(x)
-        for block in self.h:
+        for i, block in enumerate(self.h):
             if self.cfg.activation_checkpointing and self.training:
                 # Keep only each block's input; recompute its activations during backward.
                 x = checkpoint(block, x, rope, use_reentrant=False)
             else:
-                x = block(x, rope)
+                x = block(x, rope, cache, i)
         x = self.ln_f(x)
+        if cache is not None:
+            cache.pos += T
 
         if targets is not None:
             logits = self.lm_head(x)  # (B, T, V)
@@ -261,6 +319,22 @@ class GPT(nn.Module):
         """AdamW groups: decay the 2-D weights of Linear layers; not biases, norms or embeddings."""
         return param_groups(self, weight_decay)
 
+    def next_logits(self, idx: Tensor, cache: KVCache | None = None) -> Tensor:
+        """The logits (B, V) of the token after idx (B, T), from its last block_size tokens: the model
+        sees no further back. With a cache, idx is the context of the previous call with one token
+        added: only that token is computed. When the context is longer than block_size, its window
+        slides by a token every step, which moves every token's position (and with learned positions
+        or RoPE alike, changes what the first ones attend to): the cache is filled again from the whole
+        window, as a forward without it would compute it. So the cache saves work up to block_size
+        tokens, and past it a step costs what it does without one, with the same outputs."""
+        idx = idx[:, -self.cfg.block_size :]
+        if cache is None:
+            return self(idx)[0][:, -1, :]
+        if cache.pos != idx.size(1) - 1:  # the first call, or the window slid: (re)fill the cache
+            cache.pos = 0
+            return self(idx, cache=cache)[0][:, -1, :]
+        return self(idx[:, -1:], cache=cache)[0][:, -1, :]  # one new token, at position pos
+
     @torch.no_grad()
     def generate(
         self,
@@ -269,18 +343,18 @@ class GPT(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        kv_cache: bool = True,
     ) -> Tensor:
-        """Extend idx (B, T) by max_new_tokens sampled tokens, feeding each prediction back in.
+        """Extend idx (B, T) by max_new_tokens sampled tokens, feeding each prediction back in, with a
+        KV cache unless kv_cache is false (the same tokens, see `next_logits`).
 
         Call model.eval() first, or dropout stays on. The generator must be on idx's device.
         """
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        cache = KVCache(self.cfg.n_layer, self.cfg.block_size) if kv_cache else None
         for _ in range(max_new_tokens):
-            # Crop the context to the last block_size tokens: the model sees no further back.
-            idx_cond = idx if idx.size(1) <= self.cfg.block_size else idx[:, -self.cfg.block_size :]
-            logits, _ = self(idx_cond)
-            logits = logits[:, -1, :] / temperature  # (B, V)
+            logits = self.next_logits(idx, cache) / temperature  # (B, V)
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float("inf")
