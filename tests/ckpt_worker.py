@@ -72,6 +72,7 @@ def main() -> None:
             "skipped_steps": res.skipped_steps,
             "rollbacks": res.rollbacks,
             "stopped_by": res.stopped_by,
+            "ended_by": res.ended_by,
         }
     if dist.is_main:
         (out_dir / f"{jobs_file.stem}.results.json").write_text(json.dumps(results, indent=1))

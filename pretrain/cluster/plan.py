@@ -450,7 +450,7 @@ class StepTime:
     optimizer_s: float
     step_s: float
     tokens_per_s: float  # all ranks
-    days: float  # to train schedule.max_steps steps
+    days: float  # to train the steps the schedule spans (max_steps, or max_tokens' steps)
     layout: str = "TP1 x PP1 x DP1"
     tp_comm_s: float = 0.0  # tensor parallel's all-reduces, on the critical path
     pp_comm_s: float = 0.0  # the pipeline's sends between stages, and the tied embedding's all-reduce
@@ -596,7 +596,7 @@ def predict_step(
         optimizer_s=optimizer,
         step_s=step,
         tokens_per_s=tokens * dp / step,
-        days=step * cfg.schedule.max_steps / 86400,
+        days=step * cfg.total_steps / 86400,
         layout=str(layout),
         tp_comm_s=st.tp_comm,
         pp_comm_s=st.pp_comm,
@@ -935,6 +935,79 @@ def _gb(x: float | None) -> str:
     return f"{x:.3f}" if x < 10 else f"{x:.1f}"
 
 
+@dataclass
+class Budget:
+    """Which of the run's budgets ends it, and where."""
+
+    binds: str  # max_steps, max_tokens or max_hours
+    steps: int  # the step the run ends at (by max_hours: the estimate of the step that passes it)
+    tokens: int  # the tokens seen by then
+    schedule_steps: int  # the steps the LR schedule is laid out over (max_steps, or max_tokens')
+    max_steps: int
+    max_tokens: int | None
+    max_hours: float | None
+    step_s: float | None  # the estimated time of a step of this config (None: no rates)
+    hours: float | None  # the estimated hours of training to the end (None: no rates)
+
+
+def plan_budget(cfg: RunConfig, step_s: float | None) -> Budget:
+    """The budget that binds: max_steps or max_tokens, known in steps up front, or max_hours, which
+    binds where the estimated time of a step (`step_s`) reaches it in fewer steps; with no estimate
+    max_hours cannot be compared and the other two decide."""
+    s, tokens = cfg.schedule, cfg.tokens_per_step
+    steps = cfg.total_steps
+    binds = s.binding(tokens)
+    if s.max_hours is not None and step_s:
+        by_clock = math.ceil(s.max_hours * 3600 / step_s)  # the step during which the clock passes it
+        if by_clock < steps:
+            binds, steps = "max_hours", by_clock
+    return Budget(
+        binds=binds,
+        steps=steps,
+        tokens=steps * tokens,
+        schedule_steps=cfg.total_steps,
+        max_steps=s.max_steps,
+        max_tokens=s.max_tokens,
+        max_hours=s.max_hours,
+        step_s=step_s,
+        hours=steps * step_s / 3600 if step_s else None,
+    )
+
+
+def render_budget(b: Budget) -> str:
+    """The plan's budget line."""
+    limits = (
+        f"budget: max_steps {b.max_steps:,}, max_tokens {f'{b.max_tokens:,}' if b.max_tokens else 'none'}, "
+        f"max_hours {f'{b.max_hours:g}' if b.max_hours else 'none'}."
+    )
+    est = f"at the {b.step_s:.3g} s a step estimated below for this config" if b.step_s else ""
+    if b.binds == "max_hours":
+        return (
+            f"{limits} schedule.max_hours binds {est}: its {b.max_hours:g} h of training end the run near step "
+            f"{b.steps:,} ({b.tokens:,} tokens) of the {b.schedule_steps:,} the LR schedule spans, with a "
+            "checkpoint that a resume with a larger max_hours continues"
+        )
+    hours = f", in {b.hours:.3g} h {est}" if b.hours is not None else ""
+    unknown = " (max_hours not compared: no step time)" if b.max_hours and b.step_s is None else ""
+    return (
+        f"{limits} schedule.{b.binds} binds: the run ends at step {b.steps:,} ({b.tokens:,} tokens){hours}, "
+        f"the LR schedule spanning those steps{unknown}"
+    )
+
+
+def _this_config_step_s(cfg: RunConfig, world: int, rates: Rates | None) -> float | None:
+    """The estimated seconds of a step at the configured ZeRO stage and offload."""
+    if rates is None:
+        return None
+    z = cfg.zero
+    chosen = (
+        z.stage,
+        "optimizer+params" if z.offload_param else "optimizer" if z.offload_optimizer else "none",
+    )
+    times = [t.step_s for t in step_times(cfg, world, rates) if (t.stage, t.offload) == chosen]
+    return times[0] if times else None
+
+
 def render_plan(cfg: RunConfig, to: Target, rates: Rates | None = None, *, search: bool = False) -> str:
     """The plan as `pretrain plan` prints it; the layouts that fit follow when nothing fits the
     configured one (or with `search`)."""
@@ -948,8 +1021,9 @@ def render_plan(cfg: RunConfig, to: Target, rates: Rates | None = None, *, searc
         f"context {m.block_size}, vocab {m.vocab_size}, {cfg.precision.name}",
         f"batch: micro {b.micro_batch_size} x accumulation {b.gradient_accumulation_steps} x data-parallel "
         f"{b.data_parallel_size} = {tbs} sequences per step",
-        f"tokens: {tbs * m.block_size:,} per step, {tbs * m.block_size * cfg.schedule.max_steps:,} in "
-        f"{cfg.schedule.max_steps:,} steps",
+        f"tokens: {tbs * m.block_size:,} per step, {tbs * m.block_size * cfg.total_steps:,} in "
+        f"{cfg.total_steps:,} steps",
+        render_budget(plan_budget(cfg, _this_config_step_s(cfg, world, rates))),
         f"layout: {layout} = {world} ranks (parallel.tensor x parallel.pipeline x data-parallel)",
         *render_layout(cfg, layout),
         "",
@@ -1043,7 +1117,7 @@ def step_times(cfg: RunConfig, world: int, rates: Rates) -> list[StepTime]:
 def render_times(cfg: RunConfig, world: int, rates: Rates) -> list[str]:
     m, b = cfg.model, cfg.batch
     layout = layout_of(cfg, world)
-    total_tokens = b.sequences * m.block_size * cfg.schedule.max_steps
+    total_tokens = b.sequences * m.block_size * cfg.total_steps
     src = rates.sources
     node = (
         f"; within a node {rates.node_busbw / 1e9:.3g} GB/s ({src.get('node_busbw', 'given')})"
@@ -1071,8 +1145,13 @@ def render_times(cfg: RunConfig, world: int, rates: Rates) -> list[str]:
             f"{t.optimizer_s:>10.3g} | {t.step_s:>8.3g} | {t.tokens_per_s:>11,.0f} | {t.days:.4g}"
         )
     lines.append(
-        f"days: to train schedule.max_steps = {cfg.schedule.max_steps:,} steps ({total_tokens:,} tokens). "
-        "Seconds per optimizer step on the slowest pipeline stage; comm: ZeRO's over the data-parallel group; "
+        (
+            f"days: to train schedule.max_steps = {cfg.total_steps:,} steps ({total_tokens:,} tokens). "
+            if cfg.schedule.binding(cfg.tokens_per_step) == "max_steps"
+            else f"days: to train schedule.max_tokens = {cfg.schedule.max_tokens:,} tokens ({cfg.total_steps:,} "
+            "steps). "
+        )
+        + "Seconds per optimizer step on the slowest pipeline stage; comm: ZeRO's over the data-parallel group; "
         "exposed: the part of it compute does not hide."
     )
     if times and times[0].core_share < 1:
@@ -1267,6 +1346,7 @@ def plan_json(
         "note": to.note or None,
         "stages": [asdict(p) for p in plans],
     }
+    out["budget"] = asdict(plan_budget(cfg, _this_config_step_s(cfg, to.world, rates)))
     if rates is not None:
         out["rates"] = asdict(rates)
         out["step_times"] = [asdict(t) for t in step_times(cfg, to.world, rates)]

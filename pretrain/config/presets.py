@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.config.ds_read import deepspeed_problems, recorded_run, tree_from_deepspeed
-from pretrain.config.tree import RunConfig, deep_merge, load_file, parse_override, validate
+from pretrain.config.tree import RunConfig, deep_merge, load_file, merge_layer, parse_override, validate
 from pretrain.errors import ConfigError
 
 _GPT2_DATA = {"tokenizer": "gpt2"}
@@ -258,7 +258,7 @@ def build(
     base = preset_dict(preset or str(file_data.get("preset", "")) or "tiny")
     if recorded is not None and preset is None and not config_file:
         base = deep_merge(preset_dict(recorded["preset"]), recorded)
-    data = deep_merge(base, file_data)
+    data = merge_layer(base, file_data)
     over: dict[str, Any] = {}
     problems: list[str] = []
     for item in overrides or []:
@@ -271,10 +271,10 @@ def build(
     if ds is not None:
         # "auto" in the JSON resolves against the tree without it: the layers below, and the overrides
         tree = tree_from_deepspeed(
-            ds, str(ds_file), deep_merge(data, over), world_size=world_size, record=False
+            ds, str(ds_file), merge_layer(data, over), world_size=world_size, record=False
         )
-        data = deep_merge(data, tree)
-    return validate(deep_merge(data, over), world_size)
+        data = merge_layer(data, tree)
+    return validate(merge_layer(data, over), world_size)
 
 
 def build_checked(ds_file: str | Path | None = None, **build_args: Any) -> RunConfig:

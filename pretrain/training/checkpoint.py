@@ -240,18 +240,21 @@ def client_state(
     *,
     step: int,
     tokens_seen: int,
+    elapsed_hours: float,
     loader: dict[str, Any],
     val_loss: float | None,
     skip_batches: set[int],
     group: Any,
 ) -> dict[str, Any]:
     """The client state saved with the checkpoint of `step`: the `run_state` (`constant`), where
-    the run is (tokens seen, the loader's position, the batches it skips), the val loss evaluated
-    at this step (None if it did not evaluate), and every rank's generators (a collective)."""
+    the run is (tokens seen, hours of training over every resume, the loader's position, the
+    batches it skips), the val loss evaluated at this step (None if it did not evaluate), and every
+    rank's generators (a collective)."""
     return {
         **constant,
         "step": step,
         "tokens_seen": tokens_seen,
+        "elapsed_hours": elapsed_hours,
         "loader": loader,
         "val_loss": val_loss,
         "skip_batches": sorted(skip_batches),
@@ -503,6 +506,9 @@ def meta_problems(path: Path, meta: dict[str, Any]) -> list[str]:
 
     for key in ("step", "tokens_seen", "world_size", "zero_stage"):
         whole(key, meta.get(key))
+    hours = meta.get("elapsed_hours", 0.0)  # older checkpoints have none
+    if not (isinstance(hours, int | float) and not isinstance(hours, bool) and 0 <= hours < float("inf")):
+        problems.append(f"{META}: 'elapsed_hours' is {hours!r}, not a number of hours")
     for key in ("loader", "config"):
         if key in meta and not isinstance(meta[key], dict):
             problems.append(f"{META}: '{key}' is not a JSON object")
@@ -803,7 +809,8 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], 
     for key, value in cfg.model.model_dump(mode="json").items():
         # a field newer than the checkpoint had its default then (every such default is the old model)
         saved = saved_model.get(key, type(cfg.model).model_fields[key].default)
-        if saved != value and key not in ("dropout", "activation_checkpointing"):
+        # init_from only starts a run: a resume takes the checkpoint's weights, wherever they came from
+        if saved != value and key not in ("dropout", "activation_checkpointing", "init_from"):
             problems.append(f"model.{key}: checkpoint has {saved!r}, this run has {value!r}")
     if ckpt.meta.get("tokenizer_fingerprint") != datasets[0].manifest["tokenizer"]["fingerprint"]:
         problems.append("the tokenizer differs from the one the checkpoint was trained with")
@@ -874,14 +881,15 @@ def schedule_changes(ckpt: Checkpoint, cfg: RunConfig) -> list[str]:
     changed = [
         f"schedule.{k}: {v!r} -> {now_sched[k]!r}"
         for k, v in was_sched.model_dump(mode="json").items()
-        if now_sched.get(k) != v
+        if now_sched.get(k) != v and k != "max_hours"  # a stop by the clock: the curve is the same
     ]
     if was_lr != now_lr:
         changed.append(f"optimizer.lr: {was_lr!r} -> {now_lr!r}")
     if not changed:
         return []
-    step = int(ckpt.meta.get("step", 0))
-    before, after = lr_at(step, was_lr, was_sched), lr_at(step, now_lr, cfg.schedule)
+    step, tokens = int(ckpt.meta.get("step", 0)), cfg.tokens_per_step
+    before = lr_at(step, was_lr, was_sched, was_sched.total_steps(tokens))
+    after = lr_at(step, now_lr, cfg.schedule, cfg.total_steps)
     return [
         f"this resume changes the learning-rate schedule ({'; '.join(changed)}): at step {step} the LR "
         f"{'jumps' if abs(after - before) > 1e-3 * max(before, after, 1e-12) else 'stays'} from {before:.3g} "

@@ -86,23 +86,28 @@ class StopOnSignal:
 
 class Agreement:
     """The ranks' agreement on (a non-finite loss on any rank, the signal any rank was asked to stop
-    by, or 0), the same on every rank once `wait()` returns. `start_agreement` sends it off without
+    by, or 0, whether any rank's clock has passed schedule.max_hours), the same on every rank once
+    `wait()` returns. `start_agreement` sends it off without
     waiting, so the collective's round trip hides behind the step's last backward and update."""
 
     def __init__(self, flags: torch.Tensor, work: Any) -> None:
         self.flags, self.work = flags, work
 
-    def wait(self) -> tuple[bool, int]:
+    def wait(self) -> tuple[bool, int, bool]:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        return bool(self.flags[0]), int(self.flags[1])
+        return bool(self.flags[0]), int(self.flags[1]), bool(self.flags[2])
 
 
-def start_agreement(step_loss: torch.Tensor, signum: int | None, group: Any) -> Agreement:
-    """Begin agreeing on `step_loss` being finite and on a stop signal (one host read of the loss;
-    one asynchronous all_reduce over the gloo group, none for a single rank)."""
-    flags = torch.tensor([0 if bool(torch.isfinite(step_loss)) else 1, signum or 0], dtype=torch.int64)
+def start_agreement(
+    step_loss: torch.Tensor, signum: int | None, group: Any, out_of_time: bool = False
+) -> Agreement:
+    """Begin agreeing on `step_loss` being finite, on a stop signal and on the run's time being up
+    (one host read of the loss; one asynchronous all_reduce over the gloo group, none for a single
+    rank)."""
+    finite = bool(torch.isfinite(step_loss))
+    flags = torch.tensor([0 if finite else 1, signum or 0, int(out_of_time)], dtype=torch.int64)
     work = None
     if group is not None and tdist.get_world_size(group) > 1:
         work = tdist.all_reduce(flags, op=tdist.ReduceOp.MAX, group=group, async_op=True)
@@ -112,7 +117,8 @@ def start_agreement(step_loss: torch.Tensor, signum: int | None, group: Any) -> 
 def agree(step_loss: torch.Tensor, signum: int | None, group: Any) -> tuple[bool, int]:
     """`start_agreement(...).wait()`: (any rank's loss was non-finite, the signal any rank was asked
     to stop by, or 0), the same on every rank."""
-    return start_agreement(step_loss, signum, group).wait()
+    bad, stop, _ = start_agreement(step_loss, signum, group).wait()
+    return bad, stop
 
 
 class Faults:

@@ -22,11 +22,18 @@ from pretrain.data.dataset import TOKENIZER_FILE, Dataset, open_datasets, resolv
 from pretrain.data.loader import ShardedLoader
 from pretrain.data.tokenizer import Tokenizer, load_tokenizer
 from pretrain.errors import CheckpointError, OutputError
-from pretrain.training import checkpoint, rundir
+from pretrain.training import checkpoint, init_from, rundir
 from pretrain.training import engine as ds_engine
 from pretrain.training.engine import Dist
 from pretrain.training.evaluate import evaluate, sample
-from pretrain.training.guards import Agreement, Faults, Sentinel, control_group, gather, start_agreement
+from pretrain.training.guards import (
+    Agreement,
+    Faults,
+    Sentinel,
+    control_group,
+    gather,
+    start_agreement,
+)
 from pretrain.training.metrics import (
     MetricsLog,
     PhaseTimer,
@@ -51,6 +58,7 @@ class TrainResult:
     skipped_steps: list[int] = field(default_factory=list)  # steps retried after a non-finite loss
     rollbacks: list[int] = field(default_factory=list)  # the step each rollback went back to
     stopped_by: str | None = None  # the signal that stopped the run early (after a checkpoint)
+    ended_by: str = "max_steps"  # what ended it: max_steps, max_tokens, max_hours, or the signal
 
 
 @dataclass
@@ -71,7 +79,7 @@ class Run:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.cfg.batch.sequences * self.cfg.model.block_size
+        return self.cfg.tokens_per_step
 
     @property
     def pipelined(self) -> bool:
@@ -84,6 +92,7 @@ class Progress:
 
     step: int = 0
     tokens_seen: int = 0
+    elapsed_hours: float = 0.0  # hours of training up to the checkpoint restored (see Clock)
     skip_batches: set[int] = field(default_factory=set)  # batch starts that made the run roll back
     bad_streak: list[int] = field(default_factory=list)  # batch starts of the non-finite steps in a row
     skipped_steps: list[int] = field(default_factory=list)
@@ -122,24 +131,50 @@ class Interval:
         self.t0 = time.perf_counter()
 
 
+class Clock:
+    """The run's hours of training, against schedule.max_hours: those up to the checkpoint it
+    resumed from, plus the wall time since this process reached its first step (its evaluations and
+    saves included; its start-up, the engine build and the checkpoint load, not)."""
+
+    def __init__(self, hours_before: float) -> None:
+        self.before, self.t0 = hours_before, time.monotonic()
+
+    def hours(self) -> float:
+        return self.before + (time.monotonic() - self.t0) / 3600
+
+    def spent(self, limit: float | None) -> bool:
+        return limit is not None and self.hours() >= limit
+
+
 def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> TrainResult:
     """Train `cfg` on this rank. `resume`: "auto" (or True) continues from the newest valid
     checkpoint in the run's checkpoint dir, if any; a path continues from that checkpoint."""
     run = setup(cfg, dist, resume)
-    cfg, max_steps = run.cfg, run.cfg.schedule.max_steps
+    cfg, max_hours = run.cfg, run.cfg.schedule.max_hours
     progress = _start(run)
     start_step = progress.step
+    end = _end_step(run, progress)  # max_steps, or the step at which the tokens seen reach max_tokens
     with Sentinel(cfg, dist, start_step) as sentinel:  # watchdog, stop signal, faults
         run_state = checkpoint.run_state(cfg, run.datasets, dist.is_main)
-        log, peak = _open_log(run, start_step)  # peak: the device's TFLOP/s per rank, for the MFU
+        log, peak = _open_log(run, start_step, end)  # peak: the device's TFLOP/s per rank, for the MFU
         interval = Interval(run.engine.device)
         timer, faults = interval.timer, sentinel.faults
         losses: dict[int, float] = {}
         val_loss: float | None = None
         stop_requested = 0  # the signal that asked the run to stop, agreed by all ranks
-        while progress.step < max_steps:
+        # Hours of training: the checkpoint's (every rank reads the same one), then this process's.
+        clock = Clock(max(gather(progress.elapsed_hours, run.ctrl)))
+        # Spent before this resume: decided on the checkpoint's hours, which every rank has agreed on
+        # (this process's own clock is each rank's, and the ranks agree on it in the step).
+        out_of_time = max_hours is not None and clock.before >= max_hours and progress.step < end
+        if out_of_time:
+            dist.log(
+                f"schedule.max_hours ({max_hours:g}) is spent: the run has trained {clock.before:.4g} h up to "
+                f"step {progress.step}; raise schedule.max_hours to train on"
+            )
+        while progress.step < end and not out_of_time:
             step = progress.step  # the steps done; this one is step + 1
-            log_due = cfg.logging.log_due(step + 1, max_steps)
+            log_due = cfg.logging.log_due(step + 1, end)
             # 1. learning rate, a pure function of the step, so a resume needs no scheduler state
             lr = _set_lr(run, step)
             batch_start = run.train_data.consumed_samples
@@ -148,13 +183,21 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
                 continue
             # 2. micro-steps; DeepSpeed reduces gradients and steps the optimizer on the last one
             step_loss, grad_norm, verdict = train_step(
-                run, timer, faults, batch_start=batch_start, want_grad_norm=log_due, signum=sentinel.signum
+                run,
+                timer,
+                faults,
+                batch_start=batch_start,
+                want_grad_norm=log_due,
+                signum=sentinel.signum,
+                out_of_time=clock.spent(max_hours),
             )
-            # 2b. all ranks agree on a non-finite loss anywhere and on a stop signal: one host read of the
-            # loss a step, the price of never training on a NaN (the collective went off before the last
-            # backward). A bad step is not counted: the next batch is tried for it; M in a row roll back.
-            bad, stop_requested = verdict.wait()
+            # 2b. all ranks agree on a non-finite loss anywhere, a stop signal and the clock passing
+            # schedule.max_hours: one host read of the loss a step, the price of never training on a NaN
+            # (the collective went off before the last backward). A bad step is not counted: the next
+            # batch is tried for it; M in a row roll back. Time up ends the run after this step.
+            bad, stop_requested, out_of_time = verdict.wait()
             if bad:
+                out_of_time = False  # asked again after the retried step, which saves
                 if _on_bad_step(run, progress, sentinel, batch_start=batch_start):
                     interval.reset()
                 continue
@@ -169,18 +212,26 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
             else:
                 log.progress(step)
             # 4. evaluate
-            if evaluated := cfg.logging.eval_due(step, max_steps):
+            if evaluated := cfg.logging.eval_due(step, end):
                 val_loss = _evaluate(run, log, sentinel, step=step)
                 interval.restart_clock()
-            # 5. checkpoint: every interval, at the end, and when a signal asks the run to stop
-            if cfg.checkpoint.due(step, max_steps, stop_requested=bool(stop_requested)):
-                _save(run, progress, run_state, sentinel, val_loss=val_loss if evaluated else None)
+            # 5. checkpoint: every interval, at the end, and when a signal or max_hours stops the run
+            if cfg.checkpoint.due(step, end, stop_requested=bool(stop_requested) or out_of_time):
+                val = val_loss if evaluated else None
+                _save(run, progress, run_state, sentinel, val_loss=val, hours=clock.hours())
                 interval.restart_clock()
             if stop_requested:  # saved on every rank just above
                 break
             sentinel.tick(step)
     return _finish(
-        run, log, progress, start_step=start_step, losses=losses, val_loss=val_loss, signum=stop_requested
+        run,
+        log,
+        progress,
+        start_step=start_step,
+        losses=losses,
+        val_loss=val_loss,
+        signum=stop_requested,
+        ended_by=_ended_by(run, progress, stop_requested, out_of_time),
     )
 
 
@@ -195,14 +246,15 @@ def train_step(
     batch_start: int,
     want_grad_norm: bool,
     signum: int | None = None,
+    out_of_time: bool = False,
 ) -> StepResult:
     """One optimizer step: forward and backward on each micro batch, DeepSpeed stepping on the
     last. Returns the summed loss and the gradient norm (every step where the loop clips at stage 0;
     at other stage-0 runs when asked; else None), both left on the device, and the ranks' agreement
-    on a non-finite loss or a stop signal (`signum`), started after the last forward. A pipeline's
-    step is `pipeline_step`'s."""
+    on a non-finite loss, a stop signal (`signum`) or the time being up (`out_of_time`), started
+    after the last forward. A pipeline's step is `pipeline_step`'s."""
     if run.pipelined:
-        return pipeline_step(run, timer, faults, batch_start, want_grad_norm, signum)
+        return pipeline_step(run, timer, faults, batch_start, want_grad_norm, signum, out_of_time)
     engine, dev, cfg = run.engine, run.engine.device, run.cfg
     grad_norm = None
     step_loss = torch.zeros((), device=dev)
@@ -218,7 +270,7 @@ def train_step(
             loss = loss * float("nan")  # test hook: PRETRAIN_FAULT_NAN_STEPS
         step_loss += loss.detach().float()
         if i == micro_steps - 1:
-            verdict = start_agreement(step_loss, signum, run.ctrl)
+            verdict = start_agreement(step_loss, signum, run.ctrl, out_of_time)
         engine.backward(loss)
         if engine.is_gradient_accumulation_boundary():
             if ds_engine.clips_itself(cfg):
@@ -235,7 +287,13 @@ def train_step(
 
 
 def pipeline_step(
-    run: Run, timer: PhaseTimer, faults: Faults, batch_start: int, want_grad_norm: bool, signum: int | None
+    run: Run,
+    timer: PhaseTimer,
+    faults: Faults,
+    batch_start: int,
+    want_grad_norm: bool,
+    signum: int | None,
+    out_of_time: bool = False,
 ) -> StepResult:
     """One optimizer step through DeepSpeed's pipeline engine, which runs the micro-batches itself
     (`train_batch`: its 1F1B schedule over the stages, the reductions, the optimizer step). Returns
@@ -252,7 +310,7 @@ def pipeline_step(
     timer.phase("fwd_bwd")
     mean_loss = engine.train_batch(iter(batches))  # the mean over the micro-batches, on every stage
     step_loss = mean_loss.detach().float().reshape(()) * micro_steps
-    verdict = start_agreement(step_loss, signum, run.ctrl)
+    verdict = start_agreement(step_loss, signum, run.ctrl, out_of_time)
     timer.stop()
     return step_loss, engine.get_global_grad_norm() if want_grad_norm else None, verdict
 
@@ -266,7 +324,17 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
     from, then the engine and the loaders."""
     datasets = open_datasets(cfg.data)  # data.blend's, or the one prepared; tokenizer checked
     tokenizer = load_tokenizer(datasets[0].dir / TOKENIZER_FILE, cfg.data.tokenizer_path)
+    weights = None
+    if cfg.model.init_from is not None:  # read as far as its headers; the model's shape from it if asked
+        weights = init_from.open_source(cfg.model.init_from)
+        if cfg.model.init_from.config:
+            cfg = init_from.apply_config(cfg, weights)
+        init_from.check_tokenizer(
+            weights, tokenizer, datasets[0].manifest["tokenizer"]["fingerprint"], cfg.data.tokenizer
+        )
     cfg = resolve_vocab(cfg, tokenizer.vocab_size)
+    if weights is not None:
+        init_from.check(weights, cfg.model)
     ds_config = available_monitors(render_deepspeed(cfg), warn=dist.is_main)
     check_with_deepspeed(ds_config)
     run_dir = cfg.run_dir()
@@ -326,7 +394,12 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
             {**cfg.model_dump(mode="json"), "world_size": dist.world_size},
             bool(resume),  # --resume, or a supervised restart: the same W&B run
         )
-    engine = ds_engine.initialize(cfg, ds_engine.build_model(cfg, ds_config), ds_config)
+    if weights is not None and resume_from is not None:
+        dist.log(f"model.init_from {weights.dir}: not loaded, the checkpoint's weights win on a resume")
+        weights = None
+    elif weights is not None:
+        dist.log(f"model.init_from: the weights of {weights.dir} ({weights.architecture})")
+    engine = ds_engine.initialize(cfg, ds_engine.build_model(cfg, ds_config, weights), ds_config)
     b = cfg.batch
     # The ranks of one tensor-parallel group, and of one pipeline, read the same batches: the
     # data-parallel group's, which is DeepSpeed's (checked against the engine's groups).
@@ -389,11 +462,41 @@ def _banner(run: Run) -> str:
         f"{cfg.precision.name}, ZeRO-{cfg.zero.stage}{' + offload' if cfg.zero.offload_optimizer else ''}, "
         f"{layout}world size {world}\n"
         f"batch {b.micro_batch_size} x {b.gradient_accumulation_steps} x {b.data_parallel_size} = "
-        f"{b.sequences} sequences = {run.tokens_per_step:,} tokens/step, "
-        f"{cfg.schedule.max_steps} steps\n"
+        f"{b.sequences} sequences = {run.tokens_per_step:,} tokens/step, {_budget(cfg)}\n"
         f"data {run.datasets[0].dir}: {n_train:,} train / {n_val:,} val tokens, vocab {run.tokenizer.vocab_size}\n"
         f"run dir {cfg.run_dir()}"
     )
+
+
+def _budget(cfg: RunConfig) -> str:
+    """The run's length as the banner says it: its steps, the budget that sets them, and max_hours."""
+    s = cfg.schedule
+    steps = f"{cfg.total_steps} steps"
+    if s.max_tokens is not None:
+        binds = cfg.schedule.binding(cfg.tokens_per_step)
+        steps += f" ({binds} binds: max_steps {s.max_steps}, max_tokens {s.max_tokens:,})"
+    return steps + (f", or {s.max_hours:g} h of training if that comes first" if s.max_hours else "")
+
+
+def _end_step(run: Run, progress: Progress) -> int:
+    """The step the run ends at: schedule.max_steps, or the first step at which the tokens seen reach
+    schedule.max_tokens, counted from where `progress` stands (a resume that changed the global
+    batch still ends at the token budget)."""
+    s = run.cfg.schedule
+    if s.max_tokens is None:
+        return s.max_steps
+    left = max(0, s.max_tokens - progress.tokens_seen)
+    return min(s.max_steps, progress.step + -(-left // run.tokens_per_step))
+
+
+def _ended_by(run: Run, progress: Progress, signum: int, out_of_time: bool) -> str:
+    """What ended the run: the signal, max_hours, max_tokens or max_steps."""
+    max_tokens = run.cfg.schedule.max_tokens
+    if signum:
+        return signal.Signals(signum).name
+    if out_of_time:
+        return "max_hours"
+    return "max_tokens" if max_tokens is not None and progress.tokens_seen >= max_tokens else "max_steps"
 
 
 def _start(run: Run) -> Progress:
@@ -404,7 +507,7 @@ def _start(run: Run) -> Progress:
     return progress
 
 
-def _open_log(run: Run, start_step: int) -> tuple[MetricsLog, float | None]:
+def _open_log(run: Run, start_step: int, end: int) -> tuple[MetricsLog, float | None]:
     """The metrics log, and the device peak (TFLOP/s per rank) that MFU is measured against: model
     FLOPs per token (6N + attention) against the device's peak, known to rank 0."""
     cfg, dist, engine = run.cfg, run.dist, run.engine
@@ -433,7 +536,7 @@ def _open_log(run: Run, start_step: int) -> tuple[MetricsLog, float | None]:
         )
     log = MetricsLog(
         cfg.run_dir(),
-        cfg.schedule.max_steps,
+        end,
         enabled=dist.is_main,
         monitor=quiet_monitor(engine),
         start_step=start_step,
@@ -444,7 +547,7 @@ def _open_log(run: Run, start_step: int) -> tuple[MetricsLog, float | None]:
 
 def _set_lr(run: Run, step: int) -> float:
     """Set the LR of step `step` (0-based) on every parameter group; returns it."""
-    lr = lr_at(step, run.cfg.optimizer.lr, run.cfg.schedule)
+    lr = lr_at(step, run.cfg.optimizer.lr, run.cfg.schedule, run.cfg.total_steps)
     for group in run.engine.optimizer.param_groups:
         group["lr"] = lr
     return lr
@@ -475,14 +578,22 @@ def _evaluate(run: Run, log: MetricsLog, sentinel: Sentinel, *, step: int) -> fl
 
 
 def _save(
-    run: Run, progress: Progress, run_state: dict[str, Any], sentinel: Sentinel, *, val_loss: float | None
+    run: Run,
+    progress: Progress,
+    run_state: dict[str, Any],
+    sentinel: Sentinel,
+    *,
+    val_loss: float | None,
+    hours: float,
 ) -> None:
-    """Save the checkpoint of `progress.step` on every rank; `val_loss`: evaluated at this step."""
+    """Save the checkpoint of `progress.step` on every rank; `val_loss`: evaluated at this step;
+    `hours`: of training so far, over every resume."""
     sentinel.expect("the checkpoint save", progress.step)
     state = checkpoint.client_state(
         run_state,
         step=progress.step,
         tokens_seen=progress.tokens_seen,
+        elapsed_hours=hours,
         loader=run.train_data.state_dict(),
         val_loss=val_loss,
         skip_batches=progress.skip_batches,
@@ -510,14 +621,20 @@ def _finish(
     losses: dict[int, float],
     val_loss: float | None,
     signum: int,
+    ended_by: str,
 ) -> TrainResult:
-    """The end of the run: the stop by signal `signum` (0: none), or the final sample
-    (logging.sample_tokens); then the result."""
+    """The end of the run: the stop by signal `signum` (0: none) or by schedule.max_hours, or the
+    final sample (logging.sample_tokens); then the result."""
     cfg, dist = run.cfg.logging, run.dist
     stopped_by = signal.Signals(signum).name if signum else None
     text = None
     if stopped_by:
         dist.log(f"stopped by {stopped_by} at step {progress.step}; resume with --resume auto")
+    elif ended_by == "max_hours":
+        dist.log(
+            f"stopped by schedule.max_hours ({run.cfg.schedule.max_hours:g}) at step {progress.step}; to train "
+            "on, resume with --resume auto and a larger schedule.max_hours"
+        )
     elif cfg.sample_tokens > 0 and run.pipelined:
         dist.log(
             "no final sample from a pipeline (each stage holds part of the model): pretrain sample RUN_DIR"
@@ -538,6 +655,7 @@ def _finish(
         skipped_steps=progress.skipped_steps,
         rollbacks=progress.rollbacks,
         stopped_by=stopped_by,
+        ended_by=ended_by,
     )
 
 
@@ -631,6 +749,7 @@ def _restore(run: Run, ckpt: checkpoint.Checkpoint, progress: Progress) -> None:
     state = checkpoint.load(run.engine, ckpt)
     progress.step = int(state["step"])
     progress.tokens_seen = int(state["tokens_seen"])
+    progress.elapsed_hours = float(state.get("elapsed_hours", 0.0))  # none in older checkpoints
     progress.skip_batches |= {int(s) for s in state.get("skip_batches", [])}
     run.train_data.load_state_dict(state["loader"])
     rng = checkpoint.restore_rng(
