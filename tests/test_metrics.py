@@ -313,6 +313,8 @@ def test_wandb_run_has_the_config_and_name_and_a_resume_continues_it(tmp_path):
         # DeepSpeed's monitor logs into it, by samples (4 a step): the resume goes on from step 4
         assert steps and (min(steps) > 16 if i else max(steps) <= 16)
     assert run_events(run_dir) == [(4, "resume at step 4")]
+    # DeepSpeed's own wandb.init set up its logs under the run dir too, not in the working directory
+    assert not (tmp_path / "wandb").exists()
 
 
 def test_cpu_fma_peak_from_cpuinfo():

@@ -316,6 +316,9 @@ def start_wandb(run_dir: Path, ds_config: dict[str, Any], config: dict[str, Any]
         return None
     import wandb  # seconds: only with W&B on
 
+    # DeepSpeed's monitor calls wandb.init again (it returns this run), and that call sets up its
+    # logs in WANDB_DIR, by default a ./wandb in whatever directory the run was started from.
+    os.environ.setdefault("WANDB_DIR", str(run_dir.resolve()))
     id_file = run_dir / WANDB_RUN_ID
     run_id = id_file.read_text().strip() if resuming and id_file.is_file() else None
     if not run_id:
