@@ -21,6 +21,7 @@ import re
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +42,7 @@ from pretrain.config.ds_keys import RECORD
 from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
 from pretrain.config.presets import DS_CONFIG_RENDERS, PRESETS, build, build_checked
 from pretrain.config.tree import RunConfig, to_yaml
-from pretrain.errors import ConfigError, DataError, OutputError, PretrainError
+from pretrain.errors import ConfigError, DataError, OutputError, PretrainError, RankLostError
 from pretrain.files import make_dir, not_ours, read_bytes, write_atomic
 
 if TYPE_CHECKING:
@@ -500,6 +501,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         # Every rank raises it alike; tear the groups down here, or gloo's threads abort at exit.
         tdist.destroy_process_group()
         raise
+    except RuntimeError as e:  # gloo's or NCCL's own error when another rank is gone: say which
+        from pretrain.training.guards import lost_rank
+
+        said = lost_rank(e, dist.rank)
+        if said is None:
+            raise
+        raise RankLostError(said) from e
     if result.val_loss is not None and result.stopped_by is None:
         dist.log(f"done: step {result.final_step}, val loss {result.val_loss:.4f}, run dir {cfg.run_dir()}")
     tdist.barrier()
@@ -1137,10 +1145,26 @@ def deepspeed_logs_to_stderr() -> None:
         logging.setLoggerClass(made)
     for h in log.handlers:
         _to_stderr(h)
+    if not any(isinstance(f, _NoCpuFallbackWarning) for f in log.filters):
+        log.addFilter(_NoCpuFallbackWarning())
+
+
+class _NoCpuFallbackWarning(logging.Filter):
+    """Drops DeepSpeed's "Setting accelerator to CPU. If you have GPU ... we were unable to detect
+    it" on a machine with no GPU device to detect, where every command would print it for nothing. Where
+    the machine has one (a CPU-only torch on a GPU host), the warning says something and stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Setting accelerator to CPU"):
+            return True
+        return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()  # NVIDIA, ROCm
 
 
 def main(argv: list[str] | None = None) -> int:
     deepspeed_logs_to_stderr()
+    # torch deprecates collectives DeepSpeed still calls (all_gather_into_tensor, ...): a FutureWarning
+    # on every rank at every start, about nothing a user of pretrain can change.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.c10d_logger")
     ap = parser()
     args, unknown = ap.parse_known_args(argv)
     # launch-env and preflight take `train`'s arguments (launch/*.sh pass them on), whatever they are.
@@ -1153,7 +1177,8 @@ def main(argv: list[str] | None = None) -> int:
     except PretrainError as e:
         # A person's mistake, or the machine's (a full disk): one message, no traceback. Raised on
         # every rank alike (collective), printed by rank 0; or by the one rank that saw it.
-        if refused := os.environ.get(REFUSED_FILE):  # under `train --max-restarts`: not to be retried
+        # Under `train --max-restarts`: not to be retried, unless another rank died (a restart is for that).
+        if (refused := os.environ.get(REFUSED_FILE)) and not isinstance(e, RankLostError):
             with contextlib.suppress(OSError):
                 Path(refused).write_text(f"{e}\n")
         rank = os.environ.get("RANK", "0")

@@ -81,6 +81,13 @@ class LaunchError(PretrainError):
     collective = False
 
 
+class RankLostError(PretrainError):
+    """Another rank is gone mid-run (killed, crashed, its host down): each rank that saw its
+    collective fail says so itself, naming the rank it lost where it can tell."""
+
+    collective = False
+
+
 class OutputError(PretrainError):
     """An output path that would overwrite or delete what the command did not write, or a run dir
     another run is using."""

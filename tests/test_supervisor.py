@@ -179,3 +179,26 @@ def test_kill_9_of_the_supervisor_takes_torchrun_and_the_ranks_with_it(char_data
     # the ranks were told to stop (SIGTERM through torchrun) and saved on the way out
     tags, _ = checkpoint.committed_tags(run / "checkpoints")
     assert tags, sorted(p.name for p in (run / "checkpoints").iterdir())
+
+
+@pytest.mark.distributed
+def test_a_rank_killed_is_named_by_the_rank_that_lost_it(char_dataset, tmp_path):
+    """Two ranks, no restarts, rank 1 killed after step 2: rank 0's collective fails in gloo
+    ("Connection closed by peer"), and it says so in one line naming rank 1 and its pid, and the fix;
+    torchrun says which rank failed first; no traceback, no warning."""
+    run = tmp_path / "run"
+    sets = [f"--set={s}" for s in [*SUPERVISED, f"data.dataset_dir={char_dataset}", f"logging.run_dir={run}"]]
+    done = cli(
+        "train", CORPUS, *sets, "--nproc-per-node", "2", env={"PRETRAIN_FAULT_KILL": "1:2"}, timeout=300
+    )
+    log = done.stdout + done.stderr
+    assert done.returncode != 0, log[-3000:]
+    pid = log.split("fault injection: SIGKILL to pid ")[1].split()[0]
+    said = [line for line in log.splitlines() if "lost another rank" in line]
+    assert len(said) == 1, log[-4000:]
+    assert said[0].startswith("error: rank 0 lost another rank in the middle of a collective (")
+    assert f"rank 1 (pid {pid}) on this host has exited" in said[0] and "--resume auto" in said[0]
+    assert "[rank0]:" not in log and "Traceback" not in log and "FutureWarning" not in log, log[-4000:]
+    # torchrun's own summary, one line a rank, the first failure first
+    assert f"torchrun: rank 1 (pid {pid}) was killed by SIGKILL\n" in log, log[-4000:]
+    assert "torchrun: rank 0 (pid " in log and "after rank 1 (torchrun stops the others)" in log

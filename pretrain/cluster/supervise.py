@@ -70,7 +70,7 @@ def supervise(train_args: list[str], *, script: Path, nproc_per_node: int, max_r
     torchrun, up to `max_restarts` more times after a failure. Returns the exit code: 0, the last
     attempt's, or 128 + the signal that stopped the run."""
     argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        sys.executable, "-m", "pretrain.cluster.torchrun", "--standalone",  # torchrun, failures in one line
         "--nproc-per-node", str(nproc_per_node),
         str(script), *rank_arguments(train_args),
     ]  # fmt: skip

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -50,6 +52,75 @@ def gather(obj: Any, group: Any) -> list[Any]:
 def barrier(group: Any) -> None:
     if group is not None:
         tdist.barrier(group=group)
+
+
+# ---------------------------------------------------------------------------------------------
+# A rank that is gone
+
+_ROSTER: list[tuple[str, int]] = []  # every rank's (host, pid), gathered at the start of training
+# What gloo and NCCL say when the other end of a collective is gone (not a timeout: the watchdog's).
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+    "NCCL communicator was aborted",
+)
+
+
+def set_roster(roster: list[tuple[str, int]]) -> None:
+    """Every rank's (host, pid), in rank order: who to look for when a collective loses a peer."""
+    _ROSTER[:] = roster
+
+
+def _gone(pid: int) -> bool:
+    """The process `pid` (on this host) has exited: no such process, or a zombie not yet reaped."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def lost_rank(e: BaseException, rank: int, wait_s: float = 3.0) -> str | None:
+    """If `e` is a collective that failed because another rank is gone: one message saying so,
+    naming the ranks on this host that have exited (looked for up to `wait_s`: a crashing rank may
+    still be on its way out) or where else to look, and the fix. None for any other error."""
+    text = str(e)
+    if not isinstance(e, RuntimeError) or not any(m in text for m in _PEER_GONE):
+        return None
+    first = (text.strip().splitlines() or [""])[0]
+    first = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", first)  # gloo's source location
+    first = first.split(" This is typically", 1)[0].rstrip(". ")
+    here = socket.gethostname()
+    local = [(r, pid) for r, (host, pid) in enumerate(_ROSTER) if r != rank and host == here]
+    others = sorted({host for r, (host, _) in enumerate(_ROSTER) if host != here})
+    deadline = time.monotonic() + wait_s
+    while not (gone := [(r, pid) for r, pid in local if _gone(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if gone:
+        names = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone)
+        who = (
+            f"{names} on this host {'has' if len(gone) == 1 else 'have'} exited, killed or crashed: "
+            "its own output, or the kernel log (`dmesg`: the out-of-memory killer), says why"
+        )
+    elif others:
+        who = (
+            f"no rank on this host has exited, so the one lost ran on {', '.join(others[:4])}"
+            f"{' ...' if len(others) > 4 else ''}: its output there says why"
+        )
+    else:
+        who = "which one could not be told from here"
+    return (
+        f"rank {rank} lost another rank in the middle of a collective ({first}): {who}. This rank stopped "
+        "without saving: continue from the newest checkpoint with --resume auto (under --max-restarts N "
+        "the ranks restart by themselves)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------

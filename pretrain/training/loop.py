@@ -7,7 +7,9 @@ non-finite loss.
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,7 @@ from pretrain.training.guards import (
     Sentinel,
     control_group,
     gather,
+    set_roster,
     start_agreement,
 )
 from pretrain.training.metrics import (
@@ -353,7 +356,9 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
                 )
         except OutputError as e:
             refused = str(e)
-    if refused := next((r for r in gather(refused, ctrl) if r), None):
+    answers = gather((refused, socket.gethostname(), os.getpid()), ctrl)  # and who each rank is
+    set_roster([(host, pid) for _, host, pid in answers])
+    if refused := next((r for r, _, _ in answers if r), None):
         raise OutputError(refused)
     # Checkpoints: a writable dir with room for one, and the one to resume from, before any work.
     checkpoint.preflight(
