@@ -97,6 +97,7 @@ def cli(
 
 # Checkpoints at 3, 6 and 8 (the end), all kept.
 DROPOUT = ["model.dropout=0.1", "checkpoint.interval=3", "checkpoint.keep_last=5"]
+LOG3 = ["logging.log_interval=3"]
 
 
 # test_kill_9_with_supervised_restarts: 12 steps at ZeRO-2, checkpoints every 3.
@@ -118,9 +119,10 @@ def two_ranks(char_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> t
         {"name": "z2_full", "run": "z2_full", "overrides": ["zero.stage=2", *DROPOUT]},
         {"name": "z2_stop", "run": "z2_res", "overrides": ["zero.stage=2", *DROPOUT], "env": stop},
         {"name": "z2_resume", "run": "z2_res", "overrides": ["zero.stage=2", *DROPOUT], "resume": "auto"},
-        {"name": "z3_full", "run": "z3_full", "overrides": ["zero.stage=3", *DROPOUT]},
-        {"name": "z3_stop", "run": "z3_res", "overrides": ["zero.stage=3", *DROPOUT], "env": stop},
-        {"name": "z3_resume", "run": "z3_res", "overrides": ["zero.stage=3", *DROPOUT], "resume": "auto"},
+        # ZeRO-3 logs every 3 steps: the stop after step 5 falls inside the window of step 6
+        {"name": "z3_full", "run": "z3_full", "overrides": ["zero.stage=3", *DROPOUT, *LOG3]},
+        {"name": "z3_stop", "run": "z3_res", "overrides": ["zero.stage=3", *DROPOUT, *LOG3], "env": stop},
+        {"name": "z3_resume", "run": "z3_res", "overrides": ["zero.stage=3", *DROPOUT, *LOG3], "resume": "auto"},
         {"name": "ws_z2", "run": "ws_z2", "overrides": ["zero.stage=2", "checkpoint.interval=4"]},
         {"name": "ws_z3", "run": "ws_z3", "overrides": ["zero.stage=3", "checkpoint.interval=4"]},
         *(

@@ -244,12 +244,14 @@ def client_state(
     loader: dict[str, Any],
     val_loss: float | None,
     skip_batches: set[int],
+    loss_window: tuple[int, int, list[float]] = (0, 1, []),
     group: Any,
 ) -> dict[str, Any]:
     """The client state saved with the checkpoint of `step`: the `run_state` (`constant`), where
     the run is (tokens seen, hours of training over every resume, the loader's position, the
-    batches it skips), the val loss evaluated at this step (None if it did not evaluate), and every
-    rank's generators (a collective)."""
+    batches it skips), the val loss evaluated at this step (None if it did not evaluate), the log
+    window it is saved in the middle of (its steps, every rank's loss sum), and every rank's
+    generators (a collective)."""
     return {
         **constant,
         "step": step,
@@ -258,6 +260,7 @@ def client_state(
         "loader": loader,
         "val_loss": val_loss,
         "skip_batches": sorted(skip_batches),
+        "loss_window": dict(zip(("steps", "micro_steps", "loss_sums"), loss_window, strict=True)),
         "rng": gather_rng(group),
     }
 

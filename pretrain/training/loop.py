@@ -100,6 +100,9 @@ class Progress:
     bad_streak: list[int] = field(default_factory=list)  # batch starts of the non-finite steps in a row
     skipped_steps: list[int] = field(default_factory=list)
     rollbacks: list[int] = field(default_factory=list)
+    # The log window a checkpoint was saved in the middle of: its steps, the micro-steps of each, and
+    # every rank's loss sum over them.
+    loss_window: tuple[int, int, list[float]] = (0, 1, [])
 
     def advance(self, tokens: int) -> int:
         """One more step done, on `tokens` tokens (it ends a streak of non-finite steps); returns the
@@ -123,11 +126,24 @@ class Interval:
         self.loss_sum.zero_()
         self.timer.reset()
         self.steps, self.t0 = 0, time.perf_counter()
+        self.loss_steps = 0  # the steps the loss is a mean over: these, and those a resume carried in
 
     def add(self, step_loss: torch.Tensor) -> None:
         """One more step, with its summed loss (still on the device)."""
         self.loss_sum += step_loss
         self.steps += 1
+        self.loss_steps += 1
+
+    def carry_in(self, window: tuple[int, int, list[float]], rank: int, world_size: int, micro: int) -> None:
+        """Start with the steps of the log window a resumed checkpoint was saved in the middle of, so
+        that the first logged loss is the mean over the same steps as in an uninterrupted run: this
+        rank's own sum (bit for bit) on the same layout, else an equal share of their mean."""
+        steps, was_micro, sums = window
+        if not steps or not sums:
+            return
+        same = len(sums) == world_size and was_micro == micro
+        self.loss_sum.fill_(sums[rank] if same else sum(sums) / len(sums) / was_micro * micro)
+        self.loss_steps = steps
 
     def restart_clock(self) -> None:
         """Leave what just ran (an evaluation, a checkpoint save) out of the interval's throughput."""
@@ -161,6 +177,9 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
         run_state = checkpoint.run_state(cfg, run.datasets, dist.is_main)
         log, peak = _open_log(run, start_step, end)  # peak: the device's TFLOP/s per rank, for the MFU
         interval = Interval(run.engine.device)
+        interval.carry_in(
+            progress.loss_window, dist.rank, dist.world_size, cfg.batch.gradient_accumulation_steps
+        )
         timer, faults = interval.timer, sentinel.faults
         losses: dict[int, float] = {}
         val_loss: float | None = None
@@ -221,7 +240,7 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
             # 5. checkpoint: every interval, at the end, and when a signal or max_hours stops the run
             if cfg.checkpoint.due(step, end, stop_requested=bool(stop_requested) or out_of_time):
                 val = val_loss if evaluated else None
-                _save(run, progress, run_state, sentinel, val_loss=val, hours=clock.hours())
+                _save(run, progress, run_state, sentinel, interval, val_loss=val, hours=clock.hours())
                 interval.restart_clock()
             if stop_requested:  # saved on every rank just above
                 break
@@ -587,13 +606,21 @@ def _save(
     progress: Progress,
     run_state: dict[str, Any],
     sentinel: Sentinel,
+    interval: Interval,
     *,
     val_loss: float | None,
     hours: float,
 ) -> None:
     """Save the checkpoint of `progress.step` on every rank; `val_loss`: evaluated at this step;
-    `hours`: of training so far, over every resume."""
+    `hours`: of training so far, over every resume. Between two log steps, every rank's loss sum so
+    far goes with it (one gather), for the resume."""
     sentinel.expect("the checkpoint save", progress.step)
+    micro = run.cfg.batch.gradient_accumulation_steps
+    window = (
+        interval.loss_steps,
+        micro,
+        gather(float(interval.loss_sum), run.ctrl) if interval.loss_steps else [],
+    )
     state = checkpoint.client_state(
         run_state,
         step=progress.step,
@@ -602,6 +629,7 @@ def _save(
         loader=run.train_data.state_dict(),
         val_loss=val_loss,
         skip_batches=progress.skip_batches,
+        loss_window=window,
         group=run.ctrl,
     )
     tag = checkpoint.save(
@@ -683,6 +711,7 @@ def _log(
     row, per_rank = summarize(
         ranks,
         steps=interval.steps,
+        loss_steps=interval.loss_steps,
         samples_per_rank_step=b.micro_batch_size * b.gradient_accumulation_steps,
         block_size=cfg.model.block_size,
         micro_steps=b.gradient_accumulation_steps,
@@ -756,6 +785,12 @@ def _restore(run: Run, ckpt: checkpoint.Checkpoint, progress: Progress) -> None:
     progress.tokens_seen = int(state["tokens_seen"])
     progress.elapsed_hours = float(state.get("elapsed_hours", 0.0))  # none in older checkpoints
     progress.skip_batches |= {int(s) for s in state.get("skip_batches", [])}
+    window = state.get("loss_window") or {}  # none in a checkpoint saved before it was kept
+    progress.loss_window = (
+        int(window.get("steps", 0)),
+        int(window.get("micro_steps", 1)),
+        [float(x) for x in window.get("loss_sums", [])],
+    )
     run.train_data.load_state_dict(state["loader"])
     rng = checkpoint.restore_rng(
         state.get("rng"), rank=dist.rank, world_size=dist.world_size, seed=run.cfg.seed, step=progress.step

@@ -200,8 +200,10 @@ def summarize(
     data_parallel: int | None = None,
     flops_per_token: float | None = None,
     peak_tflops: float | None = None,
+    loss_steps: int | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The log row (totals over ranks) and one row per rank, for `steps` optimizer steps.
+    """The log row (totals over ranks) and one row per rank, for `steps` optimizer steps; the loss
+    sums over `loss_steps` (default `steps`: more where a resume carried in part of its window).
 
     Samples are counted once per data-parallel group (`data_parallel`, default: every rank): the
     ranks of one tensor-parallel group or one pipeline work on the same samples.
@@ -215,7 +217,7 @@ def summarize(
     samples_per_s = samples_per_rank_step * (data_parallel or world) / dt
     tokens_per_s = samples_per_s * block_size
     row: dict[str, Any] = {
-        "loss": sum(r.loss_sum for r in ranks) / (steps * micro_steps * world),
+        "loss": sum(r.loss_sum for r in ranks) / ((loss_steps or steps) * micro_steps * world),
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_rank": tokens_per_s / world,
         "samples_per_s": samples_per_s,
