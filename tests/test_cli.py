@@ -355,3 +355,22 @@ def test_plan_with_a_preset_named_twice_is_refused(capsys):
     assert main(["plan", "gpt2-124m", "--preset", "tiny"]) == 2
     assert "two presets, gpt2-124m and --preset tiny: give one" in capsys.readouterr().err
     assert main(["plan", "tiny", "--preset", "tiny", "--json"]) == 0  # the same one twice is one
+
+
+def test_commands_print_no_accelerator_or_deprecation_noise(tmp_path):
+    """Without DS_ACCELERATOR set, DeepSpeed says "Setting accelerator to CPU. If you have GPU ... we
+    were unable to detect it" wherever it is imported: said only on a machine with a GPU device node."""
+    env = {k: v for k, v in subprocess_env().items() if k != "DS_ACCELERATOR"}
+    gpu_node = any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
+    for args in (["render"], ["plan", "--preset", "tiny"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "pretrain.cli", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert ("Setting accelerator to CPU" in done.stderr) == gpu_node, done.stderr
+        assert "Warning" not in done.stderr, done.stderr
