@@ -9,7 +9,7 @@ die() { echo "$script: $*" >&2; exit 2; }
 # python: the venv's interpreter (PYTHON, or .venv/bin/python of this checkout).
 use_python() {
     python=${PYTHON:-$PWD/.venv/bin/python}
-    [ -x "$python" ] || die "no interpreter at $python: run ./setup.sh or set PYTHON"
+    if [ ! -f "$python" ] || [ ! -x "$python" ]; then die "no interpreter at $python: run ./setup.sh or set PYTHON"; fi
 }
 
 # port_number NAME VALUE: stop unless VALUE is a TCP port, 1..65535.
@@ -28,7 +28,9 @@ use_master() {
     first=$("$python" -m pretrain hostfile "$@" --first) || exit 2
     master=${MASTER_ADDR:-$first}
     port=${MASTER_PORT:-29500}
-    [[ $master =~ ^[A-Za-z0-9._-]+$ ]] || die "MASTER_ADDR='$master' is not a host name or address"
+    # A name or IPv4 address as a hostfile takes it: no shell characters, no leading '-' (an option).
+    [[ $master =~ ^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$ && $master != *..* ]] ||
+        die "MASTER_ADDR='$master' is not a host name or address"
     port_number MASTER_PORT "$port"
 }
 

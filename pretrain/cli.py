@@ -1054,6 +1054,11 @@ def cmd_launch_env(args: argparse.Namespace) -> int:
 
 
 def cmd_launch_check(args: argparse.Namespace) -> int:
+    if args.master_addr is not None and not valid_host(args.master_addr):
+        print(
+            f"{args.script}: MASTER_ADDR='{args.master_addr}' is not a host name or address", file=sys.stderr
+        )
+        return 2
     launch = Launch(
         hostfile=args.hostfile,
         hosts=read_hostfile(args.hostfile),

@@ -122,7 +122,12 @@ def two_ranks(char_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> t
         # ZeRO-3 logs every 3 steps: the stop after step 5 falls inside the window of step 6
         {"name": "z3_full", "run": "z3_full", "overrides": ["zero.stage=3", *DROPOUT, *LOG3]},
         {"name": "z3_stop", "run": "z3_res", "overrides": ["zero.stage=3", *DROPOUT, *LOG3], "env": stop},
-        {"name": "z3_resume", "run": "z3_res", "overrides": ["zero.stage=3", *DROPOUT, *LOG3], "resume": "auto"},
+        {
+            "name": "z3_resume",
+            "run": "z3_res",
+            "overrides": ["zero.stage=3", *DROPOUT, *LOG3],
+            "resume": "auto",
+        },
         {"name": "ws_z2", "run": "ws_z2", "overrides": ["zero.stage=2", "checkpoint.interval=4"]},
         {"name": "ws_z3", "run": "ws_z3", "overrides": ["zero.stage=3", "checkpoint.interval=4"]},
         *(

@@ -308,3 +308,53 @@ def test_fuzz_every_command(tmp_path, monkeypatch):
         ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True
     ).stdout
     assert git_after == git_before, "a command wrote into the source tree"
+
+
+# ---------------------------------------------------------------------------------------------
+# The launch scripts' environment
+
+# Hostile values of the variables each script reads; every one must be refused before a launcher
+# starts (none of them is valid, so a case that gets past the checks starts a real DeepSpeed launch:
+# the group of its processes is killed at HANG_S and the case fails).
+LAUNCH_ENV = {
+    "MASTER_PORT": ["-1", "0", "65536", "999999", "1e3", "0x10", " 29500", "\u0663\u0663", "29500;touch PWNED",
+                    "$(touch PWNED)"],
+    "MASTER_ADDR": ["a;b", "$(touch PWNED)", "-oProxyCommand=touch_PWNED", "-oProxyCommand", "-", " ",
+                    "host name", "a..b", "\u00e9t\u00e9", "`touch PWNED`"],
+    "PYTHON": ["/nonexistent/python", "/dev/null", "."],
+}  # fmt: skip
+LAUNCH_ENV_OF = {
+    "pdsh.sh": {"SSH_PORT": ["abc", "70000", "-1", "22;touch PWNED"], "INCLUDE": ["nohost", ";touch PWNED"],
+                "EXCLUDE": ["a@@b", "localhost:9"]},
+    "no_ssh.sh": {"NODE_RANK": ["x", "-1", "99", "1;touch PWNED", "1e3"]},
+    "slurm.sbatch": {"SLURM_NTASKS_PER_NODE": ["0", "x", "-2"]},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("script", ["pdsh.sh", "no_ssh.sh", "mpirun.sh", "slurm.sbatch"])
+def test_fuzz_the_launch_scripts_environment(script, tmp_path):
+    """Each launch script with each hostile value of the variables it reads: exit 2 with one message
+    naming the problem, no traceback, no shell command run, nothing started."""
+    from tests.test_launch_check import FAKE_MPIRUN, FAKE_SSH, assert_nothing_started, run_script
+
+    cases = [
+        (var, v) for var, values in {**LAUNCH_ENV, **LAUNCH_ENV_OF.get(script, {})}.items() for v in values
+    ]
+    for i, (var, value) in enumerate(cases):
+        case = tmp_path / str(i)
+        (case / "bin").mkdir(parents=True)
+        for name, text in (("ssh", FAKE_SSH), ("mpirun", FAKE_MPIRUN)):
+            (case / "bin" / name).write_text(text)
+            (case / "bin" / name).chmod(0o755)
+        fakes = {"bin": case / "bin", "ssh_log": case / "ssh.log", "mpirun_log": case / "mpirun.log"}
+        hostfile = case / "hostfile"
+        hostfile.write_text("localhost slots=1\n")
+        out = run_script(script, hostfile, fakes, case, **{var: value})
+        said = f"{script} {var}={value!r}: exit {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+        assert out.returncode == 2, said
+        lines = out.stderr.strip().splitlines()
+        # the script's own line, or pretrain's error (a hostfile or INCLUDE problem lists each one)
+        assert lines and lines[0].startswith((f"launch/{script}: ", "error: ")), said
+        assert len(lines) == 1 or (lines[0].startswith("error: ") and len(lines) <= 4), said
+        assert_nothing_started(out, fakes)
+        assert not (case / "PWNED").exists() and not (ROOT / "PWNED").exists(), said

@@ -113,7 +113,7 @@ def run_script(
         )
         argv = ["bash", str(ROOT / "launch" / name)]  # the hostfile comes from the allocation
     return subprocess.run(
-        argv, cwd=tmp_path, env=subprocess_env(**extra, **env), capture_output=True, text=True, timeout=60
+        argv, cwd=tmp_path, env=subprocess_env(**{**extra, **env}), capture_output=True, text=True, timeout=60
     )
 
 
