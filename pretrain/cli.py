@@ -735,9 +735,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     try:
         # Another prepare of this directory: refused at once here (`train` waits for it).
         out = prepare(data, force=args.force, log=log, wait=False)
-    except Interrupted as e:  # SIGINT or SIGTERM: workers stopped, staging removed; one line
-        print(e, file=sys.stderr)
-        return 128 + e.signum
+    except Interrupted as e:  # SIGINT or SIGTERM: workers stopped, staging removed, lock released; one line
+        print(e, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # At once: the exit's join of a worker pool stopped mid-task can wait forever (CPython gh-94777).
+        os._exit(128 + e.signum)
     m = load_manifest(out)
     if not data.blend:
         print(format_report(m["report"]))

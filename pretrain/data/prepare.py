@@ -353,11 +353,33 @@ class _Workers:
                 for _, fut in pending:
                     fut.cancel()
                 if executor is not None:
-                    if not finished:  # an error, a signal, or the caller is done: stop them at once
+                    if finished:
+                        executor.shutdown(wait=True)
+                    else:  # an error, a signal, or the caller is done: stop them at once
                         _terminate(executor)
-                    executor.shutdown(wait=True, cancel_futures=True)
+                        _shutdown_within(executor, SHUTDOWN_S)
                 main_alive.close()
                 keep_alive.close()
+
+
+SHUTDOWN_S = 10.0  # how long a stopped pool gets to wind down before this process goes on without it
+
+
+def _shutdown_within(executor: ProcessPoolExecutor, seconds: float) -> None:
+    """Shut down a pool whose workers were just terminated, waiting at most `seconds`: a worker
+    terminated while this process's queue feeder writes a task to it can leave the pool's manager
+    thread waiting forever (CPython gh-94777); the workers themselves are gone either way, and the
+    dead pool is left to the exit (`exit_without_waiting`)."""
+    done = threading.Thread(
+        target=executor.shutdown, kwargs={"wait": True, "cancel_futures": True}, daemon=True
+    )
+    done.start()
+    done.join(seconds)
+    for p in list((getattr(executor, "_processes", None) or {}).values()):
+        with contextlib.suppress(OSError, ValueError, AssertionError):
+            p.join(max(0.0, seconds - 1))
+            if p.is_alive():
+                p.kill()
 
 
 def _terminate(executor: ProcessPoolExecutor) -> None:
