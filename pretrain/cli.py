@@ -508,7 +508,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if said is None:
             raise
         raise RankLostError(said) from e
-    if result.val_loss is not None and result.stopped_by is None:
+    if result.val_loss is not None and result.stopped_by is None and result.ended_by != "max_hours":
         dist.log(f"done: step {result.final_step}, val loss {result.val_loss:.4f}, run dir {cfg.run_dir()}")
     tdist.barrier()
     tdist.destroy_process_group()
