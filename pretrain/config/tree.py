@@ -77,6 +77,25 @@ def _derived(le: int, description: str, *, ge: int = 1) -> Any:
     return Field(None, ge=ge, le=le, description=description)
 
 
+class InitFromConfig(Section):
+    """Initial weights from a local Hugging Face model directory: `GPT2LMHeadModel`,
+    `GPTNeoXForCausalLM` or `LlamaForCausalLM` (what `pretrain export` writes in hf/, or the
+    originals), read from safetensors. Loaded after the model is built and before the first step;
+    a resume from a checkpoint takes the checkpoint's weights instead."""
+
+    path: str = Field(
+        min_length=1,
+        description="The directory: config.json and model.safetensors (or the shards that "
+        "model.safetensors.index.json names); an export directory stands for its hf/.",
+    )
+    config: bool = Field(
+        False,
+        description="Take the model's shape (arch, sizes, context, vocabulary, positions, tying, "
+        "activation) from the directory's config.json instead of this model section; false: the section "
+        "must describe the weights, and every difference is reported.",
+    )
+
+
 class ModelConfig(Section):
     """The network. `arch` picks the block: `gpt2` (LayerNorm, GELU MLP, biases; learned or rotary
     positions) or `llama` (RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention, no
@@ -117,6 +136,22 @@ class ModelConfig(Section):
     activation_checkpointing: bool = Field(
         False, description="Recompute each block's activations in backward to save memory."
     )
+    activation: Literal["gelu", "gelu_tanh"] = Field(
+        "gelu",
+        description="gpt2's MLP activation: exact (erf) GELU, or its tanh approximation (GPT-2's original "
+        "'gelu_new'). llama's MLP is SwiGLU.",
+    )
+    init_from: InitFromConfig | None = Field(
+        None,
+        description="Start from the weights of a local Hugging Face model directory: {path: DIR, config: "
+        "true|false}, or the path alone. None: random initialisation from the seed.",
+    )
+
+    @field_validator("init_from", mode="before")
+    @classmethod
+    def _path_alone(cls, value: Any) -> Any:
+        """`init_from: DIR` is `init_from: {path: DIR}`."""
+        return {"path": value} if isinstance(value, str) else value
 
     @model_validator(mode="before")
     @classmethod
@@ -158,6 +193,8 @@ class ModelConfig(Section):
             problems.append("arch llama has no biases: set model.bias=false (or leave it unset)")
         if self.arch == "llama" and self.position != "rope":
             problems.append("arch llama uses rotary positions: set model.position=rope (or leave it unset)")
+        if self.arch == "llama" and self.activation != "gelu":
+            problems.append("arch llama's MLP is SwiGLU: model.activation is gpt2's, leave it unset")
         return problems
 
 
@@ -403,7 +440,30 @@ class OptimizerConfig(Section):
 
 
 class ScheduleConfig(Section):
-    max_steps: int = Field(2000, ge=1, description="Optimizer steps in the run.")
+    """How long the run trains, and its learning rate. Three budgets end a run, whichever binds
+    first: `max_steps`, `max_tokens` (both known up front, so the LR schedule is laid out over the one
+    that binds) and `max_hours`, a stop by the clock that checkpoints and leaves the schedule alone."""
+
+    max_steps: int = Field(
+        2000, ge=1, description="Optimizer steps in the run (fewer where max_tokens binds first)."
+    )
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=10**16,
+        description="Train until this many tokens are seen: the run ends at the first step that reaches it "
+        "(ceil(max_tokens / tokens per step), tokens per step = global batch x model.block_size) or at "
+        "max_steps, whichever comes first, and the LR schedule spans those steps. None: max_steps alone.",
+    )
+    max_hours: float | None = Field(
+        None,
+        gt=0.0,
+        le=100_000.0,
+        description="Stop by the clock after this many hours of training, counted across resumes (the "
+        "checkpoint records them; start-up is not counted): the step that passes it ends the run with a "
+        "checkpoint, and `--resume auto` with a larger max_hours continues it. The LR schedule stays laid "
+        "out over max_steps / max_tokens. None: no limit.",
+    )
     warmup_steps: int = Field(100, ge=0, description="Linear warmup steps.")
     warmup_start_ratio: float = Field(
         0.01, ge=0.0, le=1.0, description="LR at step 0 as a fraction of the peak."
@@ -428,11 +488,27 @@ class ScheduleConfig(Section):
 
     def broken_rules(self, context: dict[str, Any]) -> list[str]:
         # DeepSpeed's schedulers run a warmup longer than the run (it warns); pretrain's own is a mistake
-        if self.warmup_steps >= self.max_steps and self.decay != "constant" and not self.deepspeed_timing:
+        if self.warmup_steps >= self.max_steps and self.warmup_bounded:
             return [f"warmup_steps ({self.warmup_steps}) must be below max_steps ({self.max_steps})"]
         if self.warmup_type == "log" and self.warmup_steps == 1:
             return ["warmup_steps: a log warmup needs 0 or at least 2 steps (log(1) is 0)"]
         return []
+
+    @property
+    def warmup_bounded(self) -> bool:
+        """Whether the warmup must end before the run does (DeepSpeed's schedulers need not)."""
+        return self.decay != "constant" and not self.deepspeed_timing
+
+    def total_steps(self, tokens_per_step: int) -> int:
+        """The steps the run trains and its LR schedule spans: max_steps, or the first step whose
+        tokens reach max_tokens where that comes first. max_hours is not known in steps up front."""
+        if self.max_tokens is None:
+            return self.max_steps
+        return min(self.max_steps, -(-self.max_tokens // tokens_per_step))
+
+    def binding(self, tokens_per_step: int) -> str:
+        """Which of max_steps and max_tokens ends the run (max_hours, if it comes first, by the clock)."""
+        return "max_tokens" if self.total_steps(tokens_per_step) < self.max_steps else "max_steps"
 
 
 def data_parallel_of(context: dict[str, Any]) -> int | None:
@@ -487,7 +563,10 @@ class BatchConfig(Section):
     """`train_batch_size = micro_batch_size x gradient_accumulation_steps x data_parallel_size`,
     derived here and nowhere else. The world size is the validation's `context`: without one (a
     config shown or checked before launch) the data-parallel size, and so the batch, stay unresolved
-    (None); a config built for a world size has both, and `sequences` reads the batch as an int."""
+    (None); a config built for a world size has both, and `sequences` reads the batch as an int.
+
+    A global batch (`global_batch_sequences`, or `global_batch_tokens` with the context's block
+    size) gives gradient_accumulation_steps for the data-parallel size at hand instead."""
 
     micro_batch_size: int = Field(32, ge=1, description="Sequences per rank per forward/backward.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro batches per optimizer step.")
@@ -503,6 +582,40 @@ class BatchConfig(Section):
         validate_default=True,
         description="Sequences per optimizer step. Derived; if given it must match.",
     )
+    global_batch_sequences: int | None = Field(
+        None,
+        ge=1,
+        le=10**9,
+        description="Sequences per optimizer step, from which gradient_accumulation_steps is derived for the "
+        "world size at hand: global / (micro_batch_size x data_parallel_size), which must be whole. "
+        "None: the accumulation as given.",
+    )
+    global_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=10**13,
+        description="Tokens per optimizer step (global_batch_sequences x model.block_size, as GPT-NeoX and "
+        "nanoGPT state a batch, e.g. 524288), from which gradient_accumulation_steps is derived likewise. "
+        "Give this or global_batch_sequences.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accumulation_from_global_batch(cls, data: Any, info: ValidationInfo) -> Any:
+        """A global batch sets the accumulation, where the data-parallel size is known and the global
+        batch divides into it and no accumulation is given (`broken_rules` reports the rest)."""
+        if not isinstance(data, dict) or data.get("gradient_accumulation_steps") is not None:
+            return data
+        context = info.context or {}
+        seqs = global_sequences(
+            data.get("global_batch_sequences"), data.get("global_batch_tokens"), context.get("block_size")
+        )
+        dp = data.get("data_parallel_size")
+        dp = data_parallel_of(context) if dp is None else dp
+        micro = data.get("micro_batch_size", cls.model_fields["micro_batch_size"].default)
+        if all(_whole(x) for x in (seqs, dp, micro)) and seqs % (micro * dp) == 0:
+            data = {**data, "gradient_accumulation_steps": seqs // (micro * dp)}
+        return data
 
     @field_validator("data_parallel_size")
     @classmethod
@@ -534,7 +647,52 @@ class BatchConfig(Section):
                     f" x gradient_accumulation_steps ({self.gradient_accumulation_steps})"
                     f" x data_parallel_size ({dp}) = {derived}"
                 )
-        return problems
+        return problems + self._global_batch_problems(dp, context.get("block_size"))
+
+    def _global_batch_problems(self, dp: int | None, block_size: int | None) -> list[str]:
+        """The global batch that no whole accumulation gives (with the nearest that do), or one that
+        disagrees with the accumulation given beside it."""
+        g_seq, g_tok = self.global_batch_sequences, self.global_batch_tokens
+        if g_seq is not None and g_tok is not None:
+            return [
+                f"global_batch_sequences ({g_seq}) and global_batch_tokens ({g_tok}) both given: give one"
+            ]
+        if (g_tok is not None and block_size is None) or (g_seq is None and g_tok is None) or dp is None:
+            return []  # no global batch, or nothing yet to derive the accumulation from
+        micro, acc = self.micro_batch_size, self.gradient_accumulation_steps
+        name, given, per = (
+            ("global_batch_tokens", g_tok, block_size)
+            if g_tok is not None
+            else ("global_batch_sequences", g_seq, 1)
+        )
+        assert given is not None and per is not None
+        unit = micro * dp * per  # what one more accumulation step adds
+        times_block = f" x model.block_size ({per})" if per > 1 else ""
+        if given % unit == 0:
+            if given // unit == acc:
+                return []
+            return [
+                f"{name} ({given}) and gradient_accumulation_steps ({acc}) disagree: {given} / (micro_batch_size "
+                f"({micro}) x data_parallel_size ({dp}){times_block}) is accumulation {given // unit}. Give one of "
+                "them: a global batch derives the accumulation for the world size at hand"
+            ]
+        below, above = given // unit * unit, (given // unit + 1) * unit
+        nearest = (
+            f"{below} and {above} (accumulation {below // unit} and {above // unit})"
+            if below
+            else f"{above} (accumulation 1)"
+        )
+        micros = _nearest_divisors(given // (dp * per), micro) if given % (dp * per) == 0 else []
+        keep = (
+            f", or keep {given} with micro_batch_size {' or '.join(map(str, micros))}"
+            if micros
+            else f" (no micro batch size keeps {given}: it is not a multiple of data_parallel_size ({dp}){times_block})"
+        )
+        return [
+            f"{name} ({given}) is not a multiple of micro_batch_size ({micro}) x data_parallel_size ({dp})"
+            f"{times_block} = {unit}, so no whole gradient_accumulation_steps gives it: the nearest "
+            f"{name} that divide are {nearest}{keep}"
+        ]
 
     @property
     def sequences(self) -> int:
@@ -562,6 +720,29 @@ class BatchConfig(Section):
             else f"world size / (tensor x pipeline) ({world} / {mp} = {want})"
         )
         return f"data_parallel_size ({dp}) does not match {of}: {fix}"
+
+
+def global_sequences(sequences: Any, tokens: Any, block_size: Any) -> int | None:
+    """The sequences of a global batch given in sequences, or in tokens of `block_size` (None: no
+    global batch, or one that is not a whole number of sequences)."""
+    if sequences is not None and tokens is None:
+        return sequences if _whole(sequences) else None
+    if sequences is None and _whole(tokens) and _whole(block_size) and tokens % block_size == 0:
+        return int(tokens // block_size)
+    return None
+
+
+def _whole(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def _nearest_divisors(n: int, near: int) -> list[int]:
+    """The divisors of `n` nearest `near`: the largest below it and the smallest above it."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    divisors = sorted({*small, *(n // d for d in small)})
+    below = [d for d in divisors if d < near][-1:]
+    above = [d for d in divisors if d > near][:1]
+    return below + above
 
 
 class PrecisionConfig(Section):
@@ -841,6 +1022,7 @@ class RunConfig(Section):
             )
         problems += [f"deepspeed_extra: {p}" for p in unknown_deepspeed_keys(self.deepspeed_extra)]
         problems += _reduce_scatter_problems(self)
+        problems += _budget_problems(self)
         for key in sorted(MODELED_DEEPSPEED_KEYS & set(self.deepspeed_extra)):
             sub = self.deepspeed_extra[key]
             if key in PARTLY_MODELED and isinstance(sub, dict) and not set(sub) & PARTLY_MODELED[key]:
@@ -855,6 +1037,31 @@ class RunConfig(Section):
 
     def run_dir(self) -> Path:
         return Path(self.logging.run_dir.format(preset=self.preset))
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step: the global batch x the context length (a resolved batch)."""
+        return self.batch.sequences * self.model.block_size
+
+    @property
+    def total_steps(self) -> int:
+        """The steps the run trains and its LR schedule spans (max_steps, or max_tokens' steps)."""
+        return self.schedule.total_steps(self.tokens_per_step)
+
+
+def _budget_problems(cfg: RunConfig) -> list[str]:
+    """A warmup that max_tokens' step count leaves no room for (max_steps' is the schedule's rule)."""
+    s, tbs = cfg.schedule, cfg.batch.train_batch_size
+    if s.max_tokens is None or tbs is None:
+        return []
+    tokens = tbs * cfg.model.block_size
+    steps = s.total_steps(tokens)
+    if steps < s.max_steps and s.warmup_bounded and s.warmup_steps >= steps:
+        return [
+            f"schedule.warmup_steps ({s.warmup_steps}) must be below the {steps} steps that schedule.max_tokens "
+            f"({s.max_tokens:,}) makes at {tokens:,} tokens a step"
+        ]
+    return []
 
 
 def _reduce_scatter_problems(cfg: RunConfig) -> list[str]:
@@ -946,6 +1153,29 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     for k, v in over.items():
         out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+GLOBAL_BATCH = ("global_batch_sequences", "global_batch_tokens")
+_SPLIT_BATCH = ("gradient_accumulation_steps", "train_batch_size")
+
+
+def merge_layer(lower: dict[str, Any], upper: dict[str, Any]) -> dict[str, Any]:
+    """`deep_merge` of one layer of the build over the layers below it, where a batch stated one way
+    replaces the other way below it: a global batch (which derives the accumulation) drops an
+    accumulation, a train_batch_size and the other global batch field of the layers below, and an
+    accumulation or train_batch_size drops their global batch. Within one layer both are checked
+    against each other."""
+    up, low = upper.get("batch"), lower.get("batch")
+    if isinstance(up, dict) and isinstance(low, dict):
+        drop = (
+            GLOBAL_BATCH + _SPLIT_BATCH
+            if any(k in up for k in GLOBAL_BATCH)
+            else GLOBAL_BATCH
+            if any(k in up for k in _SPLIT_BATCH)
+            else ()
+        )
+        lower = {**lower, "batch": {k: v for k, v in low.items() if k not in drop}}
+    return deep_merge(lower, upper)
 
 
 def parse_override(item: str) -> dict[str, Any]:
@@ -1092,8 +1322,9 @@ def validate(data: dict[str, Any], world_size: int | None = None, source: str = 
     """Validate a nested dict into a RunConfig, raising ConfigError listing every problem."""
     # Sections left out are validated from {} too, so that their rules see the world size.
     data = {**{k: {} for k, f in RunConfig.model_fields.items() if _is_section(f.annotation)}, **data}
+    context = {"world_size": world_size, **_parallel_context(data), "block_size": _block_size(data)}
     try:
-        return RunConfig.model_validate(data, context={"world_size": world_size, **_parallel_context(data)})
+        return RunConfig.model_validate(data, context=context)
     except ValidationError as e:
         problems = []
         for err in e.errors():
@@ -1118,6 +1349,15 @@ def _parallel_context(data: dict[str, Any]) -> dict[str, int]:
     return {"model_parallel": sizes[0] * sizes[1] if ok else 1}
 
 
+def _block_size(data: dict[str, Any]) -> int | None:
+    """model.block_size read ahead of validation, for a global batch given in tokens (None: a bad
+    value, which the model section reports)."""
+    model = data.get("model")
+    size = model.get("block_size") if isinstance(model, dict) else None
+    size = ModelConfig.model_fields["block_size"].default if size is None else size
+    return size if _whole(size) else None
+
+
 def _is_section(annotation: Any) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
@@ -1133,4 +1373,8 @@ def _fields_at(loc: tuple[int | str, ...]) -> list[str]:
 
 
 def to_yaml(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    data = cfg.model_dump(mode="json")
+    b = data["batch"]
+    if b["data_parallel_size"] is None and any(b[k] is not None for k in GLOBAL_BATCH):
+        del b["gradient_accumulation_steps"]  # derived from the global batch once the world size is known
+    return yaml.safe_dump(data, sort_keys=False)

@@ -17,6 +17,8 @@ from pretrain.cluster.launch import launcher
 from pretrain.cluster.reach import free_port, who_holds
 from pretrain.config.tree import RunConfig
 from pretrain.errors import ConfigError, LaunchError, require
+from pretrain.training import init_from
+from pretrain.training.init_from import Source
 from pretrain.training.model import GPT, init_seed, param_groups
 
 
@@ -197,8 +199,10 @@ def device() -> torch.device:
     return torch.device(get_accelerator().current_device_name())
 
 
-def build_model(cfg: RunConfig, ds_config: dict[str, Any]) -> Any:
-    """The GPT, or with parallel.pipeline > 1 this rank's pipeline stage of it (pipeline.py).
+def build_model(cfg: RunConfig, ds_config: dict[str, Any], init: Source | None = None) -> Any:
+    """The GPT, or with parallel.pipeline > 1 this rank's pipeline stage of it (pipeline.py), with
+    the weights of `init` (model.init_from, checked): of a stage only its layers' tensors are read,
+    and with tensor parallelism only this rank's slices of them (init_from.load_shares).
 
     A tensor-parallel model (or stage) is built whole on the host, where there is room for it, and
     only the rank's shards reach the device: AutoTP slices it and DeepSpeed moves what is left."""
@@ -207,17 +211,22 @@ def build_model(cfg: RunConfig, ds_config: dict[str, Any]) -> Any:
         from pretrain.training.pipeline import build_pipeline
 
         with where:
-            return build_pipeline(cfg)
-    return build_gpt(cfg, ds_config, where)
+            return build_pipeline(cfg, init)
+    return build_gpt(cfg, ds_config, where, init)
 
 
-def build_gpt(cfg: RunConfig, ds_config: dict[str, Any], where: torch.device | None = None) -> GPT:
+def build_gpt(
+    cfg: RunConfig, ds_config: dict[str, Any], where: torch.device | None = None, init: Source | None = None
+) -> GPT:
     """Construct the GPT; at ZeRO-3 partitioned from the start, so no rank ever holds it whole.
 
     Weights are (re)initialised module by module after construction, each from a seed of
     `cfg.seed` and its name (model.init_seed), so every ZeRO stage and every layout starts from the
     same weights: under zero.Init each submodule is partitioned as soon as its constructor returns,
-    before GPT's own init pass could see it.
+    before GPT's own init pass could see it. Then `init`'s weights, if any, replace them
+    (init_from.load_into: at ZeRO-3 one gathered parameter at a time; with parallel.tensor > 1 only
+    the slices AutoTP will leave to this rank, written before `deepspeed.initialize` shards the model
+    and builds the optimizer's copies of it).
     """
     import deepspeed  # after init_distributed, see there
 
@@ -226,6 +235,8 @@ def build_gpt(cfg: RunConfig, ds_config: dict[str, Any], where: torch.device | N
         with where or device():
             model = GPT(cfg.model)
         model.reset_parameters(cfg.seed)
+        if init is not None:
+            init_from.load_into(model, init, cfg.model, zero3=False, tensor=tensor_place(cfg))
         return model
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = GPT(cfg.model)
@@ -235,7 +246,16 @@ def build_gpt(cfg: RunConfig, ds_config: dict[str, Any], where: torch.device | N
             with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
                 torch.manual_seed(init_seed(cfg.seed, name))
                 model.init_weights(module)
+    if init is not None:
+        init_from.load_into(model, init, cfg.model, zero3=True)
     return model
+
+
+def tensor_place(cfg: RunConfig) -> tuple[int, int]:
+    """(tensor-parallel degree, this rank's place in its tensor group), before DeepSpeed's groups
+    exist: the tensor-parallel peers are neighbours (see data_parallel_rank)."""
+    tp = cfg.parallel.tensor
+    return tp, (torch.distributed.get_rank() % tp if tp > 1 else 0)
 
 
 def tensor_parallel_groups(cfg: RunConfig) -> Any:

@@ -31,6 +31,8 @@ from torch.nn import functional as F
 
 from pretrain.config.ds_render import autotp_layer_specs, pipeline_checkpoint_interval
 from pretrain.config.tree import ModelConfig, RunConfig, required_vocab_size
+from pretrain.training import init_from
+from pretrain.training.init_from import Source
 from pretrain.training.model import Block, init_seed, init_weights, norm, rope_cache
 
 TIED = "wte"  # the key of the tied embedding / head in the PipelineModule
@@ -117,9 +119,11 @@ def gpt_names(cfg: ModelConfig) -> list[str]:
     return ["wte.", "", *(f"h.{i}." for i in range(cfg.n_layer)), "", head]
 
 
-def build_pipeline(cfg: RunConfig) -> Any:
+def build_pipeline(cfg: RunConfig, init: Source | None = None) -> Any:
     """The PipelineModule of `cfg` on this rank: only this stage's layers are built, each initialised
-    as in the whole GPT; with parallel.tensor > 1, sharded by AutoTP over the tensor groups."""
+    as in the whole GPT, then given the weights of `init` (model.init_from), if any: only this
+    stage's tensors are read, and with parallel.tensor > 1 only the slices AutoTP leaves to this rank
+    (init_from.load_shares); then, with parallel.tensor > 1, sharded by AutoTP over the tensor groups."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
     from torch.distributed import get_world_size
@@ -143,6 +147,9 @@ def build_pipeline(cfg: RunConfig) -> Any:
         activation_checkpoint_func=_checkpoint,
     )
     _init_stage(module, cfg)
+    if init is not None:
+        place = (par.tensor, module._grid.get_slice_parallel_rank())  # within this rank's tensor group
+        init_from.load_shares(stage_parameters(module, m), init, m, place)
     if par.tensor > 1:
         shard_tensor_parallel(module, cfg)
     return module
@@ -161,6 +168,16 @@ def _init_stage(module: Any, cfg: RunConfig) -> None:
                 name = f"{names[idx]}{sub_name}".strip(".") or names[idx].strip(".")
                 torch.manual_seed(init_seed(cfg.seed, name))
                 init_weights(sub, cfg.model)
+
+
+def stage_parameters(module: Any, m: ModelConfig) -> dict[str, nn.Parameter]:
+    """This stage's parameters by their names in GPT (a tied embedding once, as `wte.weight`)."""
+    names = gpt_names(m)
+    return {
+        f"{names[idx]}{name}": p
+        for idx, layer in _local_layers(module)
+        for name, p in layer.named_parameters()
+    }
 
 
 def _local_layers(module: Any) -> Iterator[tuple[int, nn.Module]]:
