@@ -164,6 +164,7 @@ def test_plan_says_which_budget_binds():
 
 GLOBAL = ["batch.global_batch_sequences=8"]  # micro batch 2: accumulation 4, 2 and 1 on 1, 2 and 4 ranks
 HOURS = [*GLOBAL, "schedule.max_hours=1e-9"]  # spent as soon as the first step starts
+TOKENS = [*GLOBAL, "schedule.max_tokens=1000"]
 
 
 @pytest.fixture(scope="module")
@@ -177,12 +178,20 @@ def budget_runs(char_dataset: Path, tmp_path_factory: pytest.TempPathFactory) ->
         [
             {"name": "w1", "run": "w1", "overrides": GLOBAL},
             # 1000 tokens at 8 x 32 = 256 a step: the 4th step reaches them
-            {"name": "tokens", "run": "tokens", "overrides": [*GLOBAL, "schedule.max_tokens=1000"]},
+            {"name": "tokens", "run": "tokens", "overrides": TOKENS},
+            # the same, stopped by SIGTERM after step 2 (it saves after step 3), then resumed
+            {
+                "name": "tokens_stop",
+                "run": "tokens_res",
+                "overrides": TOKENS,
+                "env": {"PRETRAIN_FAULT_SIGTERM": "0:2"},
+            },
+            {"name": "tokens_resume", "run": "tokens_res", "overrides": TOKENS, "resume": "auto"},
         ],
     )
     two = torchrun(
         2,
-        29571,
+        29592,
         char_dataset,
         out,
         [
@@ -197,7 +206,7 @@ def budget_runs(char_dataset: Path, tmp_path_factory: pytest.TempPathFactory) ->
             },
         ],
     )
-    four = torchrun(4, 29572, char_dataset, out, [{"name": "w4", "run": "w4", "overrides": GLOBAL}])
+    four = torchrun(4, 29593, char_dataset, out, [{"name": "w4", "run": "w4", "overrides": GLOBAL}])
     return {**one, **two, **four}, out
 
 
@@ -216,7 +225,7 @@ def test_derived_accumulation_gives_the_same_run_on_1_2_and_4_ranks(budget_runs)
 
 
 @pytest.mark.distributed
-def test_max_tokens_ends_the_run_at_the_step_that_reaches_it(budget_runs):
+def test_max_tokens_ends_the_run_at_the_step_that_reaches_it_resumed_or_not(budget_runs):
     res, out = budget_runs
     r = res["tokens"]
     assert r["final_step"] == 4 and r["ended_by"] == "max_tokens" and r["stopped_by"] is None
@@ -228,6 +237,11 @@ def test_max_tokens_ends_the_run_at_the_step_that_reaches_it(budget_runs):
     cfg = build("tiny", overrides=[*BASE, *GLOBAL, "schedule.max_tokens=1000"], world_size=1)
     assert lrs == pytest.approx({s: lr_at(s - 1, 3e-3, cfg.schedule, 4) for s in range(1, 5)})
     assert r["losses"]["1"] == res["w1"]["losses"]["1"]  # the same first step as the 8-step run
+    # stopped by a signal and resumed: the resume ends at the same step, on the same losses
+    stop, resume = res["tokens_stop"], res["tokens_resume"]
+    assert stop["stopped_by"] == "SIGTERM" and stop["final_step"] == 3
+    assert resume["start_step"] == 3 and resume["final_step"] == 4 and resume["ended_by"] == "max_tokens"
+    assert {**stop["losses"], **resume["losses"]} == r["losses"]
 
 
 @pytest.mark.distributed

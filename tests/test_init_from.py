@@ -217,6 +217,13 @@ def test_an_exports_tokenizer_must_be_the_runs(tmp_path):
     source.export_info = None  # any directory: its vocabulary must hold the tokenizer's ids
     with pytest.raises(CheckpointError, match="its vocabulary has 13 tokens, the run's gpt2 tokenizer 50257"):
         init_from.check_tokenizer(source, gpt2, gpt2.fingerprint(), "gpt2")
+    # and where it has a tokenizer.json of its own, that tokenizer must give the run's ids
+    init_from.check_tokenizer(source, tok, tok.fingerprint(), "char")
+    other = CharTokenizer(list("ABabcdefghij "))  # two more characters: the same ones get other ids
+    with pytest.raises(
+        CheckpointError, match=r"its tokenizer.json encodes text to other ids than the run's char"
+    ):
+        init_from.check_tokenizer(source, other, other.fingerprint(), "char")
 
 
 def test_init_from_config_forms_and_model_parallel_layouts():

@@ -293,6 +293,38 @@ def check_tokenizer(source: Source, tokenizer: Any, fingerprint: str, kind: str)
             f"its vocabulary has {vocab} tokens, the run's {kind} tokenizer {tokenizer.vocab_size}: not a model "
             "of this tokenizer. Set data.* to a dataset of the model's tokenizer, or init_from another model"
         )
+    if info is None and (source.dir / "tokenizer.json").is_file():
+        _same_ids(source, tokenizer, kind)
+
+
+# Text both tokenizers encode, where the directory's own tokenizer.json can be read: words, digits,
+# punctuation, spaces and a new line, where a BPE of another vocabulary gives other ids.
+PROBE = "First Citizen:\nBefore we proceed any further, hear me speak. 0123456789 (the quick brown fox)"
+
+
+def _same_ids(source: Source, tokenizer: Any, kind: str) -> None:
+    """The directory's tokenizer.json (its own tokenizer) gives the run tokenizer's ids to the same
+    text: else the weights' ids mean other text, and one CheckpointError says so."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        theirs = HFTokenizer.from_file(str(source.dir / "tokenizer.json"))
+    except Exception as e:  # tokenizers' own error on a file it cannot parse
+        raise source.error(f"tokenizer.json cannot be read ({str(e)[:200]}): remove it or fix it") from e
+    known = set(getattr(tokenizer, "chars", None) or PROBE)  # a char tokenizer knows only its own
+    text = "".join(c for c in PROBE if c in known)
+    ours = list(tokenizer.encode(text))
+    got = theirs.encode(text, add_special_tokens=False).ids
+    if got != ours:
+        at = next(
+            (i for i, (a, b) in enumerate(zip(ours, got, strict=False)) if a != b), min(len(ours), len(got))
+        )
+        raise source.error(
+            f"its tokenizer.json encodes text to other ids than the run's {kind} tokenizer ({text[:40]!r}...: "
+            f"token {at} is {got[at] if at < len(got) else 'missing'} there, {ours[at] if at < len(ours) else 'missing'} "
+            "here): the weights' token ids mean other text. Prepare the data with the model's own tokenizer, or "
+            "init_from a model of this one"
+        )
 
 
 # Reads `index` of a Hugging Face tensor (`safe_open(...).get_slice(name)[index]`): only that part.
