@@ -718,7 +718,7 @@ def _add_prepare_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from pretrain.data.dataset import load_manifest, summary  # numpy, tiktoken: per command, as above
-    from pretrain.data.prepare import Interrupted, format_report, prepare
+    from pretrain.data.prepare import STUCK_POOL, Interrupted, format_report, prepare
 
     cfg = _config(args, None, deepspeed=False)
     data = cfg.data
@@ -737,9 +737,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         out = prepare(data, force=args.force, log=log, wait=False)
     except Interrupted as e:  # SIGINT or SIGTERM: workers stopped, staging removed, lock released; one line
         print(e, file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        # At once: the exit's join of a worker pool stopped mid-task can wait forever (CPython gh-94777).
-        os._exit(128 + e.signum)
+        if STUCK_POOL:  # the exit's join of a pool stopped mid-task would wait forever (CPython gh-94777)
+            sys.stdout.flush()
+            os._exit(128 + e.signum)
+        return 128 + e.signum
     m = load_manifest(out)
     if not data.blend:
         print(format_report(m["report"]))

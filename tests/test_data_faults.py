@@ -57,6 +57,8 @@ def start(args: list[str], cwd: Path, stderr: Path | None = None) -> subprocess.
         stderr=subprocess.PIPE if stderr is None else stderr.open("w"),
         text=True,
         start_new_session=True,
+        # Ctrl-C as at a terminal, even where this test runs with SIGINT ignored (a background job)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 

@@ -350,8 +350,8 @@ class _Workers:
             finished = True
         finally:
             with _uninterrupted():
-                for _, fut in pending:
-                    fut.cancel()
+                # No future is cancelled here: the pool, broken by the workers' end, fails each one it
+                # still holds, and in Python 3.11 it raises on one found cancelled.
                 if executor is not None:
                     if finished:
                         executor.shutdown(wait=True)
@@ -365,16 +365,19 @@ class _Workers:
 SHUTDOWN_S = 10.0  # how long a stopped pool gets to wind down before this process goes on without it
 
 
+STUCK_POOL: list[bool] = []  # a pool whose shutdown did not finish: the exit must not wait for it
+
+
 def _shutdown_within(executor: ProcessPoolExecutor, seconds: float) -> None:
     """Shut down a pool whose workers were just terminated, waiting at most `seconds`: a worker
     terminated while this process's queue feeder writes a task to it can leave the pool's manager
-    thread waiting forever (CPython gh-94777); the workers themselves are gone either way, and the
-    dead pool is left to the exit (`exit_without_waiting`)."""
-    done = threading.Thread(
-        target=executor.shutdown, kwargs={"wait": True, "cancel_futures": True}, daemon=True
-    )
+    thread waiting forever (CPython gh-94777). The workers themselves are gone either way; a pool
+    left stuck is noted in STUCK_POOL, for the command to exit without joining it."""
+    done = threading.Thread(target=executor.shutdown, kwargs={"wait": True}, daemon=True)
     done.start()
     done.join(seconds)
+    if done.is_alive():
+        STUCK_POOL.append(True)
     for p in list((getattr(executor, "_processes", None) or {}).values()):
         with contextlib.suppress(OSError, ValueError, AssertionError):
             p.join(max(0.0, seconds - 1))
@@ -388,9 +391,24 @@ def _terminate(executor: ProcessPoolExecutor) -> None:
     if stop is not None:
         stop()
         return
-    for p in list((getattr(executor, "_processes", None) or {}).values()):
+    # The queue's feeder thread may be writing a task to a worker about to die: the pool's shutdown
+    # must not wait for it (its join_thread), or it waits forever (CPython gh-94777).
+    call_queue = getattr(executor, "_call_queue", None)
+    if call_queue is not None:
+        call_queue.cancel_join_thread()
+    workers = list((getattr(executor, "_processes", None) or {}).values())
+    for p in workers:
         with contextlib.suppress(OSError, ValueError):
             p.terminate()
+    for p in workers:
+        with contextlib.suppress(OSError, ValueError, AssertionError):
+            p.join(SHUTDOWN_S)
+    # A worker terminated while sending its result leaves part of a message in the result pipe, and the
+    # pool's manager thread reading it waits for the rest forever. With every worker gone, closing this
+    # process's own write end gives that read an end of file: the pool sees itself broken and winds down.
+    result_queue = getattr(executor, "_result_queue", None)
+    with contextlib.suppress(AttributeError, OSError):
+        result_queue._writer.close()  # type: ignore[union-attr]
 
 
 def _mp_context() -> multiprocessing.context.BaseContext:
