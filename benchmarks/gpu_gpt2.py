@@ -125,7 +125,7 @@ def ours(cfg: RunConfig, dist: engine.Dist) -> tuple[Callable[[int], torch.Tenso
         loss, _, verdict = train_step(
             run, timer, faults, batch_start=run.train_data.consumed_samples, want_grad_norm=False
         )
-        bad, _ = verdict.wait()
+        bad, _, _ = verdict.wait()
         if bad:
             raise RuntimeError(f"non-finite loss at step {i}")
         return loss

@@ -112,7 +112,7 @@ def our_loop(cfg: RunConfig, dist: engine.Dist) -> Loop:
             group["lr"] = lr
         batch_start = run.train_data.consumed_samples
         loss, _, verdict = train_step(run, timer, faults, batch_start=batch_start, want_grad_norm=False)
-        bad, _ = verdict.wait()
+        bad, _, _ = verdict.wait()
         if bad:
             raise RuntimeError(f"non-finite loss at step {i}")
         return loss

@@ -180,13 +180,17 @@ def test_no_ssh_other_nodes_check_the_master_name_not_its_port(fakes, tmp_path, 
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     out = run_script("no_ssh.sh", hostfile, fakes, tmp_path, NODE_RANK="1", MASTER_ADDR="node..01")
     assert out.returncode == 2, out.stdout + out.stderr
-    lines = out.stderr.splitlines()
-    assert len(lines) == 1, out.stderr
-    assert lines[0].startswith("launch/no_ssh.sh: the master node..01 (MASTER_ADDR, else the first host")
-    assert "does not resolve on this host" in lines[0] and "set MASTER_ADDR" in lines[0]
+    # no host name (an empty label): the script says so before any check
+    assert out.stderr == "launch/no_ssh.sh: MASTER_ADDR='node..01' is not a host name or address\n"
     assert_nothing_started(out, fakes)
-    # The port rank 0 holds on node 0 is no problem of node 1's.
     hosts = {"localhost": 1, "127.0.0.1": 1}
+    # The check itself, given it: the name does not resolve (the resolver refuses it without a query).
+    launch = Launch(str(hostfile), hosts, "no-ssh", master_addr="node..01", master_port=29500, node_rank=1)
+    problems, _ = check(launch)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("the master node..01 (MASTER_ADDR, else the first host")
+    assert "does not resolve on this host" in problems[0] and "set MASTER_ADDR" in problems[0]
+    # The port rank 0 holds on node 0 is no problem of node 1's.
     launch = Launch(
         str(hostfile), hosts, "no-ssh", master_addr="localhost", master_port=taken_port, node_rank=1
     )
