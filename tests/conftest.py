@@ -83,11 +83,12 @@ def torchrun(nproc: int, port: int, data: Path, out: Path, jobs: list[dict], tim
 
 
 def cli(
-    *args: str, env: dict[str, str] | None = None, timeout: int = 300
+    *args: str, env: dict[str, str] | None = None, timeout: int = 300, cwd: Path = ROOT
 ) -> subprocess.CompletedProcess[str]:
+    """`pretrain ARGS` run as a person runs it (in the repository root unless `cwd`), its output kept."""
     return subprocess.run(
         [str(BIN / "pretrain"), *args],
-        cwd=ROOT,
+        cwd=cwd,
         env=subprocess_env(**(env or {})),
         capture_output=True,
         text=True,

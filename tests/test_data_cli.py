@@ -9,20 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import TINY_SHAKESPEARE, subprocess_env
-
-BIN = Path(sys.executable).parent
+from tests.conftest import BIN, TINY_SHAKESPEARE, cli, subprocess_env
 
 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(BIN / "pretrain"), *args],
-        cwd=cwd,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return cli(*args, cwd=cwd)
 
 
 def test_data_prepare_tinyshakespeare_from_a_local_source(tmp_path: Path) -> None:

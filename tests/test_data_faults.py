@@ -25,9 +25,8 @@ from pretrain.data.dataset import datasets_sha256, load_manifest, open_datasets,
 from pretrain.data.prepare import input_fingerprint, output_config, prepare
 from pretrain.data.shards import open_shard, write_shard
 from pretrain.data.tokenizer import CharTokenizer, load_tokenizer
-from tests.conftest import GPT2_DIR, subprocess_env
+from tests.conftest import BIN, GPT2_DIR, cli, subprocess_env
 
-BIN = Path(sys.executable).parent
 GPT2 = ["--set=data.tokenizer=gpt2", f"--set=data.tokenizer_path={GPT2_DIR}"]
 TINY_MODEL = [
     "--set=model.n_layer=1", "--set=model.n_embd=32", "--set=model.n_head=2", "--set=model.block_size=32",
@@ -37,14 +36,7 @@ TINY_MODEL = [
 
 
 def pretrain(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(BIN / "pretrain"), *args],
-        cwd=cwd,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return cli(*args, cwd=cwd, timeout=timeout)
 
 
 def start(args: list[str], cwd: Path, stderr: Path | None = None) -> subprocess.Popen[str]:
