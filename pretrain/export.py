@@ -59,7 +59,7 @@ from pretrain.files import (
     write_atomic,
 )
 from pretrain.training import checkpoint
-from pretrain.training.model import GPT, NORM_EPS, KVCache
+from pretrain.training.model import GPT, KVCache
 
 WEIGHTS = "model.safetensors"
 INFO = "pretrain.json"
@@ -393,7 +393,7 @@ def hf_config(m: ModelConfig, dtype: str, tok: Tokenizer | None) -> dict[str, An
             "num_key_value_heads": m.kv_heads,
             "head_dim": m.head_size,
             "hidden_act": "silu",
-            "rms_norm_eps": NORM_EPS,
+            "rms_norm_eps": m.norm_eps,
             "rope_theta": m.rope_theta,  # transformers < 5 reads these two keys
             "rope_scaling": None,
             "rope_parameters": rope,
@@ -407,7 +407,7 @@ def hf_config(m: ModelConfig, dtype: str, tok: Tokenizer | None) -> dict[str, An
             **shape,
             "model_type": "gpt_neox",
             "hidden_act": _HF_GELU[m.activation],
-            "layer_norm_eps": NORM_EPS,
+            "layer_norm_eps": m.norm_eps,
             "use_parallel_residual": False,  # x + attn(ln_1(x)), then + mlp(ln_2(.)), as ours
             "rotary_pct": 1.0,  # transformers < 5 reads these two keys
             "rotary_emb_base": m.rope_theta,
@@ -428,7 +428,7 @@ def hf_config(m: ModelConfig, dtype: str, tok: Tokenizer | None) -> dict[str, An
         "resid_pdrop": m.dropout,
         "embd_pdrop": m.dropout,
         "attn_pdrop": m.dropout,
-        "layer_norm_epsilon": NORM_EPS,
+        "layer_norm_epsilon": m.norm_eps,
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,

@@ -110,6 +110,7 @@ EXPORTS = {
     "gpt2-tanh": {"activation": "gelu_tanh"},
     "llama-gqa": {"arch": "llama", "n_kv_head": 2},
     "llama-untied": {"arch": "llama", "n_kv_head": 1, "tie_embeddings": False, "intermediate_size": 96},
+    "llama-eps": {"arch": "llama", "norm_eps": 1e-6},
 }
 
 
@@ -129,7 +130,17 @@ def test_an_export_round_trips_exactly(name, tmp_path):
     got = init_from.state_dict(source, cfg.model)
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     filled = init_from.apply_config(RunConfig(), source).model  # the shape from config.json
-    for k in ("arch", "n_layer", "n_head", "kv_heads", "n_embd", "ffn_hidden", "position", "tie_embeddings"):
+    for k in (
+        "arch",
+        "n_layer",
+        "n_head",
+        "kv_heads",
+        "n_embd",
+        "ffn_hidden",
+        "position",
+        "tie_embeddings",
+        "norm_eps",
+    ):
         assert getattr(filled, k) == getattr(cfg.model, k), k
     assert filled.vocab_size == tok.vocab_size + 2  # the export's rows for <|endoftext|> and <unk>
 
@@ -156,6 +167,34 @@ def test_the_model_section_is_checked_against_the_weights(hf_dirs):
         CheckpointError, match=r"mlp.gate_proj.weight, .*up_proj.weight make our h.0.mlp.c_fc"
     ):
         init_from.check(source, init_from.apply_config(RunConfig(), source).model)
+
+
+def test_a_norm_epsilon_of_1e_6_is_taken_from_config_json_or_asked_for(tmp_path):
+    """transformers' LlamaConfig (and the first Llama) default to rms_norm_eps 1e-6, ours to 1e-5."""
+    hf = save_hf_model(tmp_path / "llama1", "llama", rms_norm_eps=1e-6)
+    ours, cfg = model_from(tmp_path / "llama1")
+    assert cfg.model.norm_eps == 1e-6
+    with torch.no_grad():
+        logits, _ = ours(torch.tensor(IDS), torch.tensor(IDS))
+    assert (logits - hf_logits(hf)).abs().max().item() < 1e-5
+    source = init_from.open_source(InitFromConfig(path=str(tmp_path / "llama1")))
+    shape = {
+        "arch": "llama",
+        "n_layer": 2,
+        "n_head": 4,
+        "n_kv_head": 2,
+        "n_embd": 32,
+        "intermediate_size": 64,
+        "tie_embeddings": False,
+    }
+    with pytest.raises(CheckpointError) as e:
+        init_from.check(source, RunConfig.model_validate({"model": shape | {"vocab_size": VOCAB}}).model)
+    assert "model.norm_eps is 1e-05, config.json's 1e-06" in str(e.value) and "model.norm_eps=1e-06" in str(
+        e.value
+    )
+    init_from.check(
+        source, RunConfig.model_validate({"model": shape | {"vocab_size": VOCAB, "norm_eps": 1e-6}}).model
+    )
 
 
 def test_what_cannot_be_used_is_one_clear_error(hf_dirs, tmp_path):

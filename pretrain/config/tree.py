@@ -141,6 +141,13 @@ class ModelConfig(Section):
         description="gpt2's MLP activation: exact (erf) GELU, or its tanh approximation (GPT-2's original "
         "'gelu_new'). llama's MLP is SwiGLU.",
     )
+    norm_eps: float = Field(
+        1e-5,
+        gt=0.0,
+        le=0.1,
+        description="The epsilon of every LayerNorm (gpt2) or RMSNorm (llama): 1e-5 as GPT-2, GPT-NeoX and "
+        "Llama 2 and 3; 1e-6 as the first Llama (and transformers' LlamaConfig default).",
+    )
     init_from: InitFromConfig | None = Field(
         None,
         description="Start from the weights of a local Hugging Face model directory: {path: DIR, config: "

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from pretrain.config.tree import InitFromConfig, ModelConfig, RunConfig, required_vocab_size
 from pretrain.errors import CheckpointError
-from pretrain.training.model import GPT, NORM_EPS
+from pretrain.training.model import GPT
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -42,9 +42,14 @@ _BUFFERS = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.ma
 # The shape fields config.json gives (the rest of the model section is training's own).
 SHAPE_FIELDS = (
     "arch", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "block_size", "vocab_size",
-    "bias", "position", "rope_theta", "tie_embeddings", "activation",
+    "bias", "position", "rope_theta", "tie_embeddings", "activation", "norm_eps",
 )  # fmt: skip
 _GELU = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _eps(value: Any) -> float:
+    """A norm epsilon to 6 significant digits: a config.json written from float32 (9.99999975e-06) is 1e-05."""
+    return float(f"{float(value):.6g}")
 
 
 @dataclass
@@ -182,7 +187,6 @@ def model_fields(c: dict[str, Any], arch: str) -> tuple[dict[str, Any], list[str
 
     if arch == "GPT2LMHeadModel":
         act = c.get("activation_function", "gelu_new")
-        need("layer_norm_epsilon", float(c.get("layer_norm_epsilon", 1e-5)), NORM_EPS, f"ours is {NORM_EPS}")
         need(
             "scale_attn_weights", c.get("scale_attn_weights", True), True, "ours scales by 1/sqrt(head size)"
         )
@@ -210,6 +214,7 @@ def model_fields(c: dict[str, Any], arch: str) -> tuple[dict[str, Any], list[str
             "rope_theta": 10000.0,
             "tie_embeddings": bool(c.get("tie_word_embeddings", True)),
             "activation": _GELU.get(act, "gelu"),
+            "norm_eps": _eps(c.get("layer_norm_epsilon", 1e-5)),
         }, problems
     if arch == "GPTNeoXForCausalLM":
         act = c.get("hidden_act", "gelu")
@@ -217,7 +222,6 @@ def model_fields(c: dict[str, Any], arch: str) -> tuple[dict[str, Any], list[str
         need("partial_rotary_factor", float(partial), 1.0, "ours rotates the whole head")
         need("use_parallel_residual", c.get("use_parallel_residual", True), False, "ours is sequential")
         need("attention_bias", c.get("attention_bias", True), True, "ours has biases in every layer")
-        need("layer_norm_eps", float(c.get("layer_norm_eps", 1e-5)), NORM_EPS, f"ours is {NORM_EPS}")
         if act not in _GELU:
             problems.append(f"hidden_act is {act!r}: ours is gelu or gelu_new (tanh)")
         return {
@@ -234,10 +238,10 @@ def model_fields(c: dict[str, Any], arch: str) -> tuple[dict[str, Any], list[str
             "rope_theta": rope("rotary_emb_base"),
             "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
             "activation": _GELU.get(act, "gelu"),
+            "norm_eps": _eps(c.get("layer_norm_eps", 1e-5)),
         }, problems
     d, heads = int(c.get("hidden_size", 4096)), int(c.get("num_attention_heads", 32))
     need("hidden_act", c.get("hidden_act", "silu"), "silu", "ours is SwiGLU with silu")
-    need("rms_norm_eps", float(c.get("rms_norm_eps", 1e-6)), NORM_EPS, f"ours is {NORM_EPS}")
     need("attention_bias", c.get("attention_bias", False), False, "our llama has no biases")
     need("mlp_bias", c.get("mlp_bias", False), False, "our llama has no biases")
     need(
@@ -260,6 +264,7 @@ def model_fields(c: dict[str, Any], arch: str) -> tuple[dict[str, Any], list[str
         "rope_theta": rope("rope_theta"),
         "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
         "activation": "gelu",
+        "norm_eps": _eps(c.get("rms_norm_eps", 1e-6)),
     }, problems
 
 
@@ -505,6 +510,7 @@ def _shape(model: dict[str, Any]) -> dict[str, Any]:
         shape["block_size"] = m["block_size"]
     if m["arch"] == "gpt2":
         shape["activation"] = m["activation"]
+    shape["norm_eps"] = _eps(m.get("norm_eps", 1e-5))
     return shape
 
 

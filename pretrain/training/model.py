@@ -49,13 +49,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
-NORM_EPS = 1e-5  # LayerNorm's and RMSNorm's
-
-
 def norm(cfg: ModelConfig) -> nn.Module:
     if cfg.arch == "llama":
-        return nn.RMSNorm(cfg.n_embd, eps=NORM_EPS)  # no mean subtraction, no bias
-    return nn.LayerNorm(cfg.n_embd, eps=NORM_EPS, bias=cfg.bias)
+        return nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)  # no mean subtraction, no bias
+    return nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 class KVCache:
