@@ -277,3 +277,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    engine.leave_distributed()  # not after an error: another rank may be inside a collective

@@ -125,3 +125,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    ds_engine.leave_distributed()  # not after an error: another rank may be inside a collective

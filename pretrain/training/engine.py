@@ -154,6 +154,15 @@ def init_distributed(dist: Dist, timeout_s: float = 1800) -> None:
         raise rendezvous_error(dist, e) from None
 
 
+def leave_distributed() -> None:
+    """Tear the process group down before the interpreter exits: one left to the exit can abort in
+    gloo's destructor ("terminate called without an active exception", SIGABRT) even after every
+    line of the script has run. Call it after a script's work is done, not on its error path: where
+    another rank is still inside a collective, the teardown can wait on it."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def rendezvous_error(dist: Dist, e: Exception) -> LaunchError:
     """The rendezvous failed: rank 0 could not listen on MASTER_PORT (torch's TCPStore server binds it
     on every address), or another rank could not reach rank 0 there. Under DeepSpeed's launcher the
