@@ -73,6 +73,21 @@ def test_a_global_batch_that_does_not_divide_names_the_nearest_that_do():
     assert "16 (accumulation 1)" in p and "micro_batch_size 2" in p
 
 
+def test_a_world_mismatch_with_a_global_batch_does_not_advise_an_accumulation():
+    """The global batch derives the accumulation: the fix names the data parallel size alone."""
+    (p,) = problems(
+        ["batch.global_batch_sequences=64", "batch.micro_batch_size=8", "batch.data_parallel_size=2"], 4
+    )
+    assert (
+        "data_parallel_size (2) does not match the world size (4): pass --set batch.data_parallel_size=4" in p
+    )
+    assert "gradient_accumulation_steps" not in p and "the global batch derives the accumulation" in p
+    (p,) = problems(
+        ["batch.micro_batch_size=8", "batch.gradient_accumulation_steps=4", "batch.data_parallel_size=2"], 4
+    )
+    assert "with --set batch.gradient_accumulation_steps=2 to keep 64 sequences per step" in p
+
+
 def test_conflicting_batch_settings_are_errors_naming_both():
     (p,) = problems(
         ["batch.global_batch_sequences=64", "batch.micro_batch_size=8", "batch.gradient_accumulation_steps=2"]

@@ -718,7 +718,9 @@ class BatchConfig(Section):
         want = world // mp
         fix = f"pass --set batch.data_parallel_size={want}"
         acc = self.gradient_accumulation_steps * dp
-        if acc % want == 0:
+        if self.global_batch_sequences is not None or self.global_batch_tokens is not None:
+            fix += " (the global batch derives the accumulation for it)"
+        elif acc % want == 0:
             batch = self.micro_batch_size * acc
             fix += f" (with --set batch.gradient_accumulation_steps={acc // want} to keep {batch} sequences per step)"
         of = (
