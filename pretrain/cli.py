@@ -589,10 +589,11 @@ def _stop(text: str) -> str:
     return text
 
 
-def _prompts(args: argparse.Namespace) -> list[str]:
-    """--prompt's texts, or --prompt-file's lines; a newline without either."""
+def _prompts(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
+    """--prompt's texts, or --prompt-file's lines, with the names an error gives them (None: `--prompt
+    N`); a newline without either."""
     if args.prompt_file is None:
-        return args.prompt or ["\n"]
+        return args.prompt or ["\n"], None
     if args.prompt:
         raise ConfigError(
             ["--prompt and --prompt-file both given: give the prompts one way (--prompt for each, or "
@@ -615,13 +616,13 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     prompts = text.splitlines()
     if not prompts:
         raise ConfigError([f"--prompt-file {path}: empty; write one prompt per line"], "sample")
-    return prompts
+    return prompts, [f"--prompt-file {path}, line {i}" for i in range(1, len(prompts) + 1)]
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
     from pretrain.export import MAX_SAMPLE_TOKENS, SampleCount, load_model, stream_samples, tokenizer_for
 
-    prompts = _prompts(args)
+    prompts, names = _prompts(args)
     if len(prompts) * args.num_samples * args.max_new_tokens > MAX_SAMPLE_TOKENS:
         many = f"{len(prompts)} prompts x " if len(prompts) > 1 else ""
         raise ConfigError(
@@ -649,6 +650,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         stop=args.stop,
         kv_cache=not args.no_kv_cache,
         count=count,
+        prompt_names=names,
     )
     current = -1
     start = time.perf_counter()

@@ -743,6 +743,7 @@ def stream_samples(
     stop: Sequence[str] = (),
     kv_cache: bool = True,
     count: SampleCount | None = None,
+    prompt_names: Sequence[str] | None = None,
 ) -> Iterator[tuple[int, str]]:
     """Each sample's text, samples in order, as (sample index, piece): the prompt, then what follows
     it. With several prompts, prompt p's sample i is sample p * num_samples + i. Sample i of a prompt
@@ -754,7 +755,8 @@ def stream_samples(
     comes token by token, as it is made. A sample ends after max_new_tokens tokens, or before the
     first of the `stop` strings in what it adds to the prompt (a stop string is not part of it).
     The context is the last block_size tokens, so memory stays bounded however long a sample is;
-    the KV cache (`GPT.next_logits`) gives the tokens a forward of the whole context gives."""
+    the KV cache (`GPT.next_logits`) gives the tokens a forward of the whole context gives. A prompt
+    the tokenizer refuses is named by `prompt_names` (by default `--prompt N`)."""
     device = next(model.parameters()).device
     m = model.cfg
     vocab = tokenizer.vocab_size
@@ -769,7 +771,8 @@ def stream_samples(
         try:
             ids = tokenizer.encode(text) or [tokenizer.eot_token or 0]
         except DataError as e:
-            raise DataError(f"--prompt{'' if len(prompts) == 1 else f' {p + 1}'}: {e}") from e
+            name = prompt_names[p] if prompt_names else f"--prompt{'' if len(prompts) == 1 else f' {p + 1}'}"
+            raise DataError(f"{name}: {e}") from e
         contexts.append(ids[-m.block_size :])
     samples = [(p, i) for p in range(len(prompts)) for i in range(num_samples)]  # sample k's prompt, i
     # A batch's samples start from contexts of one length: one position (and cache position) for all.

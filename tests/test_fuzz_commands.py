@@ -192,6 +192,16 @@ def test_sample_hostile_temperatures_devices_and_prompts(rope_run):
     for device in ("meta", "lazy", "hpu", "cpu:-1", "cuda:99"):
         one_error(main("sample", str(rope_run), "--device", device), f"--device {device!r}: not usable here")
     one_error(main("sample", str(rope_run), "--prompt", "é"), "--prompt: character 'é'")
+    one_error(main("sample", str(rope_run), "--prompt", "a", "--prompt", "é"), "--prompt 2: character 'é'")
+
+
+def test_sample_names_a_prompt_file_line_the_tokenizer_refuses(rope_run, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("To be\n\nor not é\n", encoding="utf-8")
+    one_error(
+        main("sample", str(rope_run), "--prompt-file", str(prompts)),
+        f"--prompt-file {prompts}, line 3: character 'é'",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
