@@ -279,6 +279,40 @@ def test_init_from_config_forms_and_model_parallel_layouts():
         assert cfg.parallel.model_parallel == layout.get("tensor", 1) * layout.get("pipeline", 1)
 
 
+def test_config_true_fills_the_model_section_when_the_config_is_built(hf_dirs, capsys):
+    """`init_from.config: true` is applied by build(): `pretrain config` shows the shape the run will
+    have, a global batch in tokens is divided by config.json's block_size (32, the preset's is 256),
+    the parallel rules see its heads, and an unusable directory is listed with the other problems."""
+    from pretrain.cli import main
+    from pretrain.config.presets import build
+
+    where = hf_dirs["llama"][0]
+    sets = [f"model.init_from.path={where}", "model.init_from.config=true"]
+    cfg = build(
+        "tiny", overrides=[*sets, "batch.global_batch_tokens=2048", "batch.micro_batch_size=8"], world_size=2
+    )
+    m = cfg.model
+    assert (m.arch, m.n_layer, m.n_head, m.n_kv_head, m.n_embd, m.block_size) == ("llama", 2, 4, 2, 32, 32)
+    assert cfg.batch.gradient_accumulation_steps == 4 and cfg.batch.sequences == 64  # 2048 / 32
+    assert main(["config", *(f"--set={s}" for s in sets)]) == 0
+    shown = capsys.readouterr().out
+    assert "  arch: llama\n" in shown and "  n_kv_head: 2\n" in shown and "  block_size: 32\n" in shown
+    with pytest.raises(ConfigError) as e:
+        build("tiny", overrides=[*sets, "parallel.tensor=8"], world_size=8)
+    assert "parallel.tensor (8) must divide model.n_head (4)" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        build(
+            "tiny",
+            overrides=[
+                f"model.init_from.path={where}-gone",
+                "model.init_from.config=true",
+                "model.n_layer=0",
+            ],
+        )
+    assert e.value.problems[0].startswith(f"model.init_from {where}-gone: no such directory")
+    assert any(p.startswith("model.n_layer:") for p in e.value.problems[1:])
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "neox", "llama"])
 def test_the_tensor_ranks_slices_make_the_whole_model(hf_dirs, kind):
     """Each tensor rank reads only its slices (init_from.tensor_share, into a model of NaNs): put back

@@ -16,7 +16,7 @@ from typing import Any
 
 from pretrain.config.ds_read import deepspeed_problems, recorded_run, tree_from_deepspeed
 from pretrain.config.tree import RunConfig, deep_merge, load_file, merge_layer, parse_override, validate
-from pretrain.errors import ConfigError
+from pretrain.errors import CheckpointError, ConfigError
 
 _GPT2_DATA = {"tokenizer": "gpt2"}
 
@@ -274,7 +274,31 @@ def build(
             ds, str(ds_file), merge_layer(data, over), world_size=world_size, record=False
         )
         data = merge_layer(data, tree)
-    return validate(merge_layer(data, over), world_size)
+    data = merge_layer(data, over)
+    try:
+        data = with_init_from_shape(data)
+    except CheckpointError as e:  # the directory's config.json: reported with the rest of the config
+        try:
+            validate(data, world_size)
+        except ConfigError as other:
+            raise ConfigError([str(e), *other.problems], other.source) from None
+        raise ConfigError([str(e)], "model.init_from") from None
+    return validate(data, world_size)
+
+
+def with_init_from_shape(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with the model's shape taken from the Hugging Face config.json of `model.init_from`
+    where its `config` is true, before validation: the batch (a global batch in tokens), the
+    parallel layout and `plan` all see the shape the run will have. The rest stays as given."""
+    model = data.get("model")
+    if not isinstance(model, dict):
+        return data
+    spec = model.get("init_from")
+    if not (isinstance(spec, dict) and spec.get("config") is True and isinstance(spec.get("path"), str)):
+        return data
+    from pretrain.training.init_from import model_shape  # torch: only for a run that asks for this
+
+    return {**data, "model": {**model, **model_shape(spec["path"])}}
 
 
 def build_checked(ds_file: str | Path | None = None, **build_args: Any) -> RunConfig:

@@ -75,7 +75,30 @@ def open_source(spec: InitFromConfig) -> Source:
     """The directory `spec.path` (an export directory stands for its hf/): its config.json, which
     class and shape it describes, and where and how large each tensor is. One CheckpointError for
     what cannot be used."""
-    where = Path(os.path.expanduser(spec.path))
+    where, arch, model = read_config(spec.path)
+    files = _weight_files(where)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(set(files.values())):
+        with _opened(path, where) as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if files.get(name) == path:
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+    missing = sorted(set(files) - set(shapes))
+    if missing:
+        raise _fail(where, f"{INDEX} names {', '.join(missing[:3])}, which its files do not hold")
+    info = None
+    if where.name == "hf" and (where.parent / "pretrain.json").is_file():
+        try:
+            info = json.loads((where.parent / "pretrain.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise _fail(where.parent, f"pretrain.json is not readable ({e}): export it again") from e
+    return Source(where, arch, model, files, shapes, info if isinstance(info, dict) else None)
+
+
+def read_config(path: str) -> tuple[Path, str, dict[str, Any]]:
+    """The directory (an export's hf/ for an export directory), the class its config.json names,
+    and the ModelConfig fields it describes. One CheckpointError for what cannot be used."""
+    where = Path(os.path.expanduser(path))
     if not where.is_dir():
         raise _fail(
             where, "no such directory (a Hugging Face model directory: config.json + model.safetensors)"
@@ -104,23 +127,14 @@ def open_source(spec: InitFromConfig) -> Source:
     model, problems = model_fields(config, archs[0])
     if problems:
         raise _fail(where, f"a {archs[0]} that our GPT cannot compute:\n  - " + "\n  - ".join(problems))
-    files = _weight_files(where)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for path in sorted(set(files.values())):
-        with _opened(path, where) as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if files.get(name) == path:
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
-    missing = sorted(set(files) - set(shapes))
-    if missing:
-        raise _fail(where, f"{INDEX} names {', '.join(missing[:3])}, which its files do not hold")
-    info = None
-    if where.name == "hf" and (where.parent / "pretrain.json").is_file():
-        try:
-            info = json.loads((where.parent / "pretrain.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise _fail(where.parent, f"pretrain.json is not readable ({e}): export it again") from e
-    return Source(where, archs[0], model, files, shapes, info if isinstance(info, dict) else None)
+    return where, archs[0], model
+
+
+def model_shape(path: str) -> dict[str, Any]:
+    """The model section's shape (SHAPE_FIELDS) that the directory's config.json describes: what
+    `init_from.config` puts in the tree when the config is built, so every rule sees it."""
+    _, _, model = read_config(path)
+    return {k: model[k] for k in SHAPE_FIELDS}
 
 
 def _weight_files(where: Path) -> dict[str, Path]:
