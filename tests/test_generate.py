@@ -26,6 +26,7 @@ SHAPES = {
     "gpt2-learned": {"position": "learned"},
     "gpt2-learned-untied": {"position": "learned", "tie_embeddings": False},
     "gpt2-rope": {"position": "rope"},
+    "pythia": {"position": "rope", "rotary_pct": 0.25, "parallel_residual": True},  # RoPE on 2 of 8 dims
     "llama-gqa": {"arch": "llama", "n_kv_head": 2},  # 4 query heads share 2 key/value heads
     "llama-gqa-untied": {"arch": "llama", "n_kv_head": 1, "tie_embeddings": False},
 }
@@ -96,7 +97,7 @@ def test_the_cache_computes_one_token_a_step_until_the_window_slides() -> None:
     assert seen == list(range(5, BLOCK + 1)) + [BLOCK] * 4
 
 
-@pytest.mark.parametrize("shape", ["gpt2-learned", "gpt2-rope", "llama-gqa"])
+@pytest.mark.parametrize("shape", ["gpt2-learned", "gpt2-rope", "pythia", "llama-gqa"])
 def test_a_forward_in_chunks_with_the_cache_is_the_whole_forward(shape: str) -> None:
     """Several new tokens after cached ones see the cached ones and each other causally."""
     model = make_model(shape)

@@ -130,6 +130,19 @@ class ModelConfig(Section):
         "llama: rope).",
     )
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency (position='rope' only).")
+    rotary_pct: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="The share of each head's dimensions that RoPE rotates (the first ones; the rest carry "
+        "no position), as GPT-NeoX's rotary_pct: 1.0 the whole head, 0.25 as Pythia. position='rope' only.",
+    )
+    parallel_residual: bool = Field(
+        False,
+        description="x + attn(ln_1(x)) + mlp(ln_2(x)) in each block, as GPT-NeoX and Pythia, instead of "
+        "the sequential x + attn(ln_1(x)), then + mlp(ln_2(.)). Arch gpt2 with position='rope' only (the "
+        "GPT-NeoX layout).",
+    )
     tie_embeddings: bool = Field(
         True, description="The output projection (lm_head) shares the token embedding's weight."
     )
@@ -177,6 +190,11 @@ class ModelConfig(Section):
         return self.n_embd // self.n_head
 
     @property
+    def rotary_dims(self) -> int:
+        """The dimensions of each head that RoPE rotates (GPT-NeoX's int(head_size * rotary_pct))."""
+        return int(self.head_size * self.rotary_pct)
+
+    @property
     def ffn_hidden(self) -> int:
         """The MLP's hidden width (SwiGLU's 8/3 d keeps its three matrices at the cost of GELU's two)."""
         if self.intermediate_size is not None:
@@ -187,8 +205,22 @@ class ModelConfig(Section):
         if self.n_embd % self.n_head:
             return [f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"]
         problems = []
-        if self.position == "rope" and self.head_size % 2:
+        if self.position == "rope" and self.rotary_pct == 1.0 and self.head_size % 2:
             problems.append(f"RoPE needs an even head size, got n_embd/n_head = {self.head_size}")
+        elif self.position == "rope" and (self.rotary_dims % 2 or self.rotary_dims < 2):
+            problems.append(
+                f"RoPE rotates pairs of dimensions: rotary_pct ({self.rotary_pct}) x head size ({self.head_size}) "
+                f"gives {self.rotary_dims}, which must be even and at least 2"
+            )
+        if self.rotary_pct != 1.0 and self.position != "rope":
+            problems.append("rotary_pct is the share of a head that RoPE rotates: set model.position=rope")
+        if self.parallel_residual and (self.arch != "gpt2" or self.position != "rope"):
+            problems.append(
+                "parallel_residual is the GPT-NeoX (Pythia) layout: arch gpt2 with position rope "
+                f"(got arch {self.arch}, position {self.position})"
+            )
+        if self.arch == "llama" and self.rotary_pct != 1.0:
+            problems.append("arch llama rotates the whole head: leave model.rotary_pct unset (1.0)")
         if self.n_head % self.kv_heads:
             problems.append(f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head})")
         if self.arch == "gpt2" and self.kv_heads != self.n_head:

@@ -42,11 +42,15 @@ def rope_cache(block_size: int, head_size: int, theta: float) -> tuple[Tensor, T
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate each pair (x[..., i], x[..., i + hs/2]) of x (B, nh, T, hs) by its position's angle."""
+    """Rotate each pair (x[..., i], x[..., i + r/2]) of the first r = 2 cos.size(-1) dimensions of
+    x (B, nh, T, hs) by its position's angle; the rest (rotary_pct < 1, as Pythia) pass unrotated."""
     # Cast to x's dtype so bf16 activations stay bf16 (and SDPA sees one dtype for q, k and v).
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)  # (B, nh, T, hs/2) each
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    r = 2 * cos.size(-1)
+    rot, rest = (x, None) if r == x.size(-1) else (x[..., :r], x[..., r:])
+    x1, x2 = rot.chunk(2, dim=-1)  # (B, nh, T, r/2) each
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out if rest is None else torch.cat((out, rest), dim=-1)
 
 
 def norm(cfg: ModelConfig) -> nn.Module:
@@ -168,6 +172,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = norm(cfg)
         self.mlp = MLP(cfg)
+        self.parallel_residual = cfg.parallel_residual
 
     def forward(
         self,
@@ -176,6 +181,8 @@ class Block(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
     ) -> Tensor:
+        if self.parallel_residual:  # GPT-NeoX's: both branches read the block's input
+            return x + self.attn(self.ln_1(x), rope, cache, layer) + self.mlp(self.ln_2(x))
         x = x + self.attn(self.ln_1(x), rope, cache, layer)
         return x + self.mlp(self.ln_2(x))
 
@@ -246,7 +253,7 @@ class GPT(nn.Module):
         if cfg.position == "rope":
             # Computed once and shared by every layer. Non-persistent: they follow the model across
             # devices but are derived from the config, so they stay out of checkpoints.
-            cos, sin = rope_cache(cfg.block_size, cfg.head_size, cfg.rope_theta)
+            cos, sin = rope_cache(cfg.block_size, cfg.rotary_dims, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters(0)

@@ -67,7 +67,7 @@ class PipelineBlock(Block):
         super().__init__(cfg)
         self.rope = cfg.position == "rope"
         if self.rope:
-            cos, sin = rope_cache(cfg.block_size, cfg.head_size, cfg.rope_theta)
+            cos, sin = rope_cache(cfg.block_size, cfg.rotary_dims, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
