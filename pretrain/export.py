@@ -9,7 +9,8 @@ format). `hf/` holds `config.json`, `model.safetensors`, a `tokenizers` `tokeniz
 encodes and decodes as ours, `tokenizer_config.json` and `generation_config.json`, for:
 
 - arch gpt2, learned positions: `GPT2LMHeadModel`;
-- arch gpt2, rotary positions: `GPTNeoXForCausalLM` (sequential residual, rotary on the whole head);
+- arch gpt2, rotary positions: `GPTNeoXForCausalLM` (`use_parallel_residual` and `rotary_pct` as
+  the model's `parallel_residual` and `rotary_pct`);
 - arch llama: `LlamaForCausalLM`.
 
 Biases our model lacks are written as zeros where the Hugging Face class always has them. A
@@ -408,10 +409,10 @@ def hf_config(m: ModelConfig, dtype: str, tok: Tokenizer | None) -> dict[str, An
             "model_type": "gpt_neox",
             "hidden_act": _HF_GELU[m.activation],
             "layer_norm_eps": m.norm_eps,
-            "use_parallel_residual": False,  # x + attn(ln_1(x)), then + mlp(ln_2(.)), as ours
-            "rotary_pct": 1.0,  # transformers < 5 reads these two keys
+            "use_parallel_residual": m.parallel_residual,  # x + attn(ln_1(x)) + mlp(ln_2(x)), or sequential
+            "rotary_pct": m.rotary_pct,  # transformers < 5 reads these two keys
             "rotary_emb_base": m.rope_theta,
-            "rope_parameters": {**rope, "partial_rotary_factor": 1.0},
+            "rope_parameters": {**rope, "partial_rotary_factor": m.rotary_pct},
             "attention_bias": True,
             "attention_dropout": m.dropout,
             "hidden_dropout": m.dropout,

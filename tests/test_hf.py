@@ -102,6 +102,11 @@ ARCHS = {
     "gpt2-nobias-untied": ({"bias": False, "tie_embeddings": False}, "GPT2LMHeadModel", 1e-5),
     "gpt2-rope": ({"position": "rope"}, "GPTNeoXForCausalLM", 1e-5),
     "gpt2-rope-nobias": ({"position": "rope", "bias": False}, "GPTNeoXForCausalLM", 1e-5),
+    "pythia": (
+        {"position": "rope", "rotary_pct": 0.25, "parallel_residual": True, "tie_embeddings": False},
+        "GPTNeoXForCausalLM",
+        1e-5,
+    ),
     "llama-gqa": ({"arch": "llama", "n_kv_head": 2}, "LlamaForCausalLM", 1e-4),
     "llama-mqa-untied": (
         {"arch": "llama", "n_kv_head": 1, "tie_embeddings": False, "intermediate_size": 96},

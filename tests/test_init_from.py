@@ -38,6 +38,14 @@ HF_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
         },
     ),
+    "pythia": (  # GPT-NeoX as Pythia: parallel residual, RoPE on a quarter of each head
+        "GPTNeoX",
+        {
+            "num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 32, "intermediate_size": 96,
+            "max_position_embeddings": 32, "use_parallel_residual": True, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        },
+    ),
     "llama": (
         "Llama",
         {
@@ -107,6 +115,7 @@ EXPORTS = {
     "gpt2": {},
     "gpt2-nobias-untied": {"bias": False, "tie_embeddings": False},
     "gpt2-rope": {"position": "rope"},
+    "pythia": {"position": "rope", "rotary_pct": 0.25, "parallel_residual": True, "tie_embeddings": False},
     "gpt2-tanh": {"activation": "gelu_tanh"},
     "llama-gqa": {"arch": "llama", "n_kv_head": 2},
     "llama-untied": {"arch": "llama", "n_kv_head": 1, "tie_embeddings": False, "intermediate_size": 96},
@@ -140,6 +149,8 @@ def test_an_export_round_trips_exactly(name, tmp_path):
         "position",
         "tie_embeddings",
         "norm_eps",
+        "rotary_pct",
+        "parallel_residual",
     ):
         assert getattr(filled, k) == getattr(cfg.model, k), k
     assert filled.vocab_size == tok.vocab_size + 2  # the export's rows for <|endoftext|> and <unk>
@@ -212,16 +223,19 @@ def test_what_cannot_be_used_is_one_clear_error(hf_dirs, tmp_path):
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"]}))
     assert "describes ['BertForMaskedLM']: model.init_from reads GPT2LMHeadModel" in said(other)
-    pythia = tmp_path / "pythia"
-    pythia.mkdir()
-    (pythia / "config.json").write_text(
+    scaled = tmp_path / "scaled"
+    scaled.mkdir()
+    (scaled / "config.json").write_text(
         json.dumps(
-            {"architectures": ["GPTNeoXForCausalLM"], "use_parallel_residual": True, "rotary_pct": 0.25}
+            {
+                "architectures": ["GPTNeoXForCausalLM"],
+                "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                "hidden_act": "relu",
+            }
         )
     )
-    message = said(pythia)
-    assert "use_parallel_residual is True: ours is sequential" in message
-    assert "partial_rotary_factor is 0.25: ours rotates the whole head" in message
+    message = said(scaled)
+    assert "rope_type is 'linear': our RoPE has no scaling" in message and "hidden_act is 'relu'" in message
     truncated = tmp_path / "truncated"
     truncated.mkdir()
     (truncated / "config.json").write_text((where / "config.json").read_text())
@@ -313,7 +327,28 @@ def test_config_true_fills_the_model_section_when_the_config_is_built(hf_dirs, c
     assert any(p.startswith("model.n_layer:") for p in e.value.problems[1:])
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "neox", "llama"])
+def test_the_gpt_neox_layout_options_are_checked():
+    """rotary_pct and parallel_residual (Pythia's GPT-NeoX): RoPE on whole pairs of a head's first
+    dimensions, in the layout the GPTNeoX export writes; every misuse named with its fix."""
+    m = validate({"model": {"position": "rope", "rotary_pct": 0.25, "parallel_residual": True}}).model
+    assert m.head_size == 64 and m.rotary_dims == 16
+    for model, needle in [
+        ({"rotary_pct": 0.5}, "rotary_pct is the share of a head that RoPE rotates: set model.position=rope"),
+        ({"parallel_residual": True}, "parallel_residual is the GPT-NeoX (Pythia) layout: arch gpt2 with"),
+        ({"arch": "llama", "parallel_residual": True}, "(got arch llama, position rope)"),
+        ({"arch": "llama", "rotary_pct": 0.5}, "arch llama rotates the whole head"),
+        (
+            {"position": "rope", "n_embd": 40, "rotary_pct": 0.25},
+            "head size (20) gives 5, which must be even",
+        ),
+        ({"position": "rope", "rotary_pct": 0}, "rotary_pct: Input should be greater than 0"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            validate({"model": model})
+        assert any(needle in p for p in e.value.problems), (model, e.value.problems)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "neox", "pythia", "llama"])
 def test_the_tensor_ranks_slices_make_the_whole_model(hf_dirs, kind):
     """Each tensor rank reads only its slices (init_from.tensor_share, into a model of NaNs): put back
     together as the export does (export.merge_tensor_parallel, the inverse of AutoTP's split), the
@@ -354,7 +389,7 @@ def test_first_step_logits_equal_hfs_at_zero_0_and_3(hf_dirs, char_dataset, tmp_
                     f"zero.stage={stage}",
                 ],
             }
-            for kind in ("gpt2", "neox", "llama-sharded" if stage == 3 else "llama")
+            for kind in ("gpt2", "neox", "pythia", "llama-sharded" if stage == 3 else "llama")
         ]
 
     resume = [f"model.init_from.path={hf_dirs['llama'][0]}", "model.init_from.config=true", "zero.stage=0"]
@@ -393,8 +428,8 @@ def test_first_step_logits_equal_hfs_under_tensor_and_pipeline_parallelism(hf_di
             ],
         }
         for kind, layout in (
-            ("llama", "tensor"), ("gpt2", "tensor"), ("neox", "tensor"), ("gpt2", "pipeline"),
-            ("llama-sharded", "pipeline"),
+            ("llama", "tensor"), ("gpt2", "tensor"), ("neox", "tensor"), ("pythia", "tensor"),
+            ("gpt2", "pipeline"), ("pythia", "pipeline"), ("llama-sharded", "pipeline"),
         )
     ]  # fmt: skip
     got = torchrun_logits(2, tmp_path / "mp", char_dataset, jobs, port=29597)

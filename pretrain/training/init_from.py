@@ -3,7 +3,8 @@
 The inverse of the export's mapping (export.hf_state_dict), for the three classes it writes, in its
 layouts and in the originals, which are the same names: `GPT2LMHeadModel` (Conv1D weights stored
 (in, out), transposed here; a tied head stored once), `GPTNeoXForCausalLM` (q, k and v interleaved
-per head; sequential residual and rotary on the whole head only) and `LlamaForCausalLM`
+per head; sequential or parallel residual, rotary on the whole head or a share of it, as Pythia)
+and `LlamaForCausalLM`
 (q/k/v/o_proj, gate/up/down_proj). Hugging Face's Llama rotates the two halves of each head
 (`rotate_half`), as our RoPE does, so q and k are taken as they are: no permutation.
 
@@ -42,7 +43,8 @@ _BUFFERS = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.ma
 # The shape fields config.json gives (the rest of the model section is training's own).
 SHAPE_FIELDS = (
     "arch", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "block_size", "vocab_size",
-    "bias", "position", "rope_theta", "tie_embeddings", "activation", "norm_eps",
+    "bias", "position", "rope_theta", "rotary_pct", "parallel_residual", "tie_embeddings", "activation",
+    "norm_eps",
 )  # fmt: skip
 _GELU = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -226,6 +228,8 @@ def model_fields(c: dict[str, Any], arch: str) -> tuple[dict[str, Any], list[str
             "bias": True,
             "position": "learned",
             "rope_theta": 10000.0,
+            "rotary_pct": 1.0,
+            "parallel_residual": False,
             "tie_embeddings": bool(c.get("tie_word_embeddings", True)),
             "activation": _GELU.get(act, "gelu"),
             "norm_eps": _eps(c.get("layer_norm_epsilon", 1e-5)),
@@ -233,8 +237,6 @@ def model_fields(c: dict[str, Any], arch: str) -> tuple[dict[str, Any], list[str
     if arch == "GPTNeoXForCausalLM":
         act = c.get("hidden_act", "gelu")
         partial = (c.get("rope_parameters") or {}).get("partial_rotary_factor", c.get("rotary_pct", 0.25))
-        need("partial_rotary_factor", float(partial), 1.0, "ours rotates the whole head")
-        need("use_parallel_residual", c.get("use_parallel_residual", True), False, "ours is sequential")
         need("attention_bias", c.get("attention_bias", True), True, "ours has biases in every layer")
         if act not in _GELU:
             problems.append(f"hidden_act is {act!r}: ours is gelu or gelu_new (tanh)")
@@ -250,12 +252,18 @@ def model_fields(c: dict[str, Any], arch: str) -> tuple[dict[str, Any], list[str
             "bias": True,
             "position": "rope",
             "rope_theta": rope("rotary_emb_base"),
+            "rotary_pct": float(partial),
+            "parallel_residual": bool(c.get("use_parallel_residual", True)),
             "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
             "activation": _GELU.get(act, "gelu"),
             "norm_eps": _eps(c.get("layer_norm_eps", 1e-5)),
         }, problems
     d, heads = int(c.get("hidden_size", 4096)), int(c.get("num_attention_heads", 32))
     need("hidden_act", c.get("hidden_act", "silu"), "silu", "ours is SwiGLU with silu")
+    partial = (c.get("rope_parameters") or {}).get(
+        "partial_rotary_factor", c.get("partial_rotary_factor", 1.0)
+    )
+    need("partial_rotary_factor", float(partial), 1.0, "our llama rotates the whole head")
     need("attention_bias", c.get("attention_bias", False), False, "our llama has no biases")
     need("mlp_bias", c.get("mlp_bias", False), False, "our llama has no biases")
     need(
@@ -276,6 +284,8 @@ def model_fields(c: dict[str, Any], arch: str) -> tuple[dict[str, Any], list[str
         "bias": False,
         "position": "rope",
         "rope_theta": rope("rope_theta"),
+        "rotary_pct": 1.0,
+        "parallel_residual": False,
         "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
         "activation": "gelu",
         "norm_eps": _eps(c.get("rms_norm_eps", 1e-6)),
@@ -520,6 +530,8 @@ def _shape(model: dict[str, Any]) -> dict[str, Any]:
     shape.update(n_kv_head=kv, intermediate_size=ffn)
     if m["position"] == "rope":
         shape["rope_theta"] = float(m["rope_theta"])
+        shape["rotary_pct"] = float(m.get("rotary_pct", 1.0))
+        shape["parallel_residual"] = bool(m.get("parallel_residual", False))
     else:  # learned positions: one embedding per position; RoPE runs at any context length
         shape["block_size"] = m["block_size"]
     if m["arch"] == "gpt2":
