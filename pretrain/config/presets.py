@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.config.ds_read import deepspeed_problems, recorded_run, tree_from_deepspeed
+from pretrain.config.hf import model_shape
 from pretrain.config.tree import RunConfig, deep_merge, load_file, merge_layer, parse_override, validate
 from pretrain.errors import CheckpointError, ConfigError
 
@@ -296,8 +297,6 @@ def with_init_from_shape(data: dict[str, Any]) -> dict[str, Any]:
     spec = model.get("init_from")
     if not (isinstance(spec, dict) and spec.get("config") is True and isinstance(spec.get("path"), str)):
         return data
-    from pretrain.training.init_from import model_shape  # torch: only for a run that asks for this
-
     return {**data, "model": {**model, **model_shape(spec["path"])}}
 
 
