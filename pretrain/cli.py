@@ -762,7 +762,9 @@ def cmd_render(args: argparse.Namespace) -> int:
                 ],
                 "render",
             )
-        print(_render_json(_config(args, args.world_size or 1)), end="")
+        cfg = _config(args, args.world_size or 1)
+        _precision_note(cfg)
+        print(_render_json(cfg), end="")
         return 0
     config_args = [
         flag
@@ -854,8 +856,18 @@ def _render_json(cfg: RunConfig) -> str:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    print(to_yaml(_config(args, args.world_size)), end="")
+    cfg = _config(args, args.world_size)
+    _precision_note(cfg)
+    print(to_yaml(cfg), end="")
     return 0
+
+
+def _precision_note(cfg: RunConfig) -> None:
+    """What the config's bf16 sums cost, on stderr (the output stays a valid config or JSON)."""
+    b = cfg.batch
+    note = cfg.precision.accumulation_note(b.gradient_accumulation_steps, b.data_parallel_size)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
@@ -925,7 +937,7 @@ def plan_target(
         )
     elif device is not None and host_gb is None:
         note = f"host memory unknown: pass --host-gb, or add host-gb=<GB> to {args.hostfile or 'the hostfile'}'s '# pretrain:' line."
-    return Target(world, per_node, device_gb, device_src, host_gb, note), device
+    return Target(world, per_node, device_gb, device_src, host_gb, note, device), device
 
 
 def plan_inputs(args: argparse.Namespace) -> tuple[RunConfig, Target, Rates, str]:

@@ -397,6 +397,24 @@ def test_loads_are_weights_only(two_ranks, converted, tmp_path):
     assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
 
 
+@pytest.mark.distributed
+def test_every_generator_is_seeded_from_the_seed(two_ranks):
+    """Two runs of one seed, one after the other in the same processes (z2_full, then z2_stop): at
+    step 3 each rank's torch, Python and numpy generators are in the same states, and two ranks'
+    differ (dropout must differ between data-parallel ranks)."""
+    _, out = two_ranks
+    a, b = (
+        checkpoint.load_file(ckpt(out, run, 3) / "mp_rank_00_model_states.pt")["rng"]
+        for run in ("z2_full", "z2_res")
+    )
+    for rank in (0, 1):
+        assert torch.equal(a[rank]["torch"], b[rank]["torch"])
+        assert a[rank]["python"] == b[rank]["python"]
+        assert torch.equal(a[rank]["numpy"]["keys"], b[rank]["numpy"]["keys"])
+        assert a[rank]["numpy"]["pos"] == b[rank]["numpy"]["pos"]
+    assert a[0]["python"] != a[1]["python"] and not torch.equal(a[0]["numpy"]["keys"], a[1]["numpy"]["keys"])
+
+
 def test_rng_states_survive_a_weights_only_round_trip(tmp_path):
     import random
 

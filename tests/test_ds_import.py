@@ -548,7 +548,7 @@ LOADS: dict[str, dict[str, Any]] = {
     },
     "megatron_deepspeed_bf16_zero1": {
         "batch.micro_batch_size": 8, "batch.gradient_accumulation_steps": 4, "zero.stage": 1,
-        "precision.name": "bf16", "deepspeed_extra.data_types.grad_accum_dtype": "fp32",
+        "precision.name": "bf16", "precision.grad_accum_dtype": "fp32",
     },
     "gpt_neox_125m": {
         "batch.micro_batch_size": 4, "batch.gradient_accumulation_steps": 1, "optimizer.lr": 6e-4,

@@ -30,6 +30,25 @@ GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
 }
 
 
+def set_tf32(on: bool) -> None:
+    """Let fp32 matmuls and convolutions on CUDA use TF32 (precision.tf32), through the one API this
+    torch has: torch 2.9's `fp32_precision` ("tf32" or "ieee"), or the older `allow_tf32` switches
+    (mixing the two raises in torch 2.9 and later)."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(matmul, "fp32_precision"):
+        matmul.fp32_precision = cudnn.fp32_precision = "tf32" if on else "ieee"
+    else:
+        matmul.allow_tf32 = cudnn.allow_tf32 = on
+
+
+def tf32_enabled() -> bool:
+    """Whether fp32 matmuls on CUDA run as TF32 (read through the API `set_tf32` sets)."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        return matmul.fp32_precision == "tf32"
+    return bool(matmul.allow_tf32)
+
+
 def gpu_peak_tflops(device_name: str, precision: str, tf32: bool = False) -> float | None:
     """The table's peak for a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3'), or None if unknown."""
     kind = "tf32" if precision == "fp32" and tf32 else precision
@@ -199,7 +218,7 @@ def device_peak_tflops(
         return override, "logging.peak_tflops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        peak = gpu_peak_tflops(name, precision, tf32=torch.backends.cuda.matmul.allow_tf32)
+        peak = gpu_peak_tflops(name, precision, tf32=tf32_enabled())
         return peak, (f"{name} datasheet" if peak else f"{name}: unknown peak, set logging.peak_tflops")
     if device.type == "cpu":
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)

@@ -826,6 +826,7 @@ def tree_from_deepspeed(
     if "scheduler" in ds:
         read_scheduler(r, ds["scheduler"])
     _resolve_precision(r, ds)
+    _read_accumulation(r, ds, foreign)
     _read_batch(r, ds, world_size)
     for key in MONITORS:
         if key not in ds:  # a DeepSpeed JSON without a monitor section has it off
@@ -882,7 +883,7 @@ _DEEPSPEED_FIELDS = {
     "batch": ("micro_batch_size", "gradient_accumulation_steps"),
     "optimizer": ("lr", "betas", "eps", "weight_decay", "grad_clip", "adam_w_mode", "bias_correction"),
     "schedule": ("max_steps", "warmup_steps", "warmup_type", "warmup_start_ratio", "decay", "min_lr_ratio"),
-    "precision": ("bf16", "fp16", "loss_scale"),
+    "precision": ("bf16", "fp16", "loss_scale", "grad_accum_dtype"),
     "zero": ("stage", "offload_optimizer", "offload_param", "overlap_comm", "reduce_bucket_size"),
 }
 
@@ -983,6 +984,43 @@ def _resolve_precision(r: Reading, ds: dict[str, Any]) -> None:
             mine in (None, AUTO) and (switch[other] is True or (mine is None and AUTO not in switch.values()))
         ):
             r.put(name, "precision", name, False)
+
+
+def _read_accumulation(r: Reading, ds: dict[str, Any], foreign: bool) -> None:
+    """Under bf16, `data_types.grad_accum_dtype` is the tree's precision.grad_accum_dtype. A JSON
+    written elsewhere that leaves it out keeps DeepSpeed's bf16 sums where DeepSpeed has no other
+    (ZeRO stage 0), and gets pretrain's fp32 sums at stages 1-3, said in a note. An fp32
+    `communication_data_type` beside fp32 sums is what the tree renders for them, not a passthrough."""
+    if r.current("precision", "bf16") is not True:
+        return  # fp32, fp16: data_types passes through to DeepSpeed as the JSON has it
+    types = r.extra.get("data_types")
+    given = types.get("grad_accum_dtype") if isinstance(types, dict) else None
+    if isinstance(types, dict) and given is not None:
+        r.put("data_types.grad_accum_dtype", "precision", "grad_accum_dtype", given)
+        del types["grad_accum_dtype"]
+        if not types:
+            del r.extra["data_types"]
+    elif foreign and "grad_accum_dtype" not in r.base.get("precision", {}):
+        _accumulation_default(r)
+    fp32_sums = r.current("precision", "grad_accum_dtype") == "fp32"
+    if fp32_sums and r.extra.get("communication_data_type") == "fp32":
+        del r.extra["communication_data_type"]
+
+
+def _accumulation_default(r: Reading) -> None:
+    """A foreign bf16 JSON silent on the sums: bf16 at stage 0 (DeepSpeed's only), else fp32."""
+    if r.current("zero", "stage") == 0:
+        r.default("precision", "grad_accum_dtype", "bf16")
+        r.notes.append(
+            "bf16 at ZeRO stage 0 sums the micro batches' gradients in bf16 (DeepSpeed has no fp32 sum there); "
+            "zero.stage=1 with precision.grad_accum_dtype=fp32 sums them in fp32"
+        )
+    else:
+        r.notes.append(
+            "bf16 without data_types.grad_accum_dtype: the micro batches' gradients are summed in fp32 "
+            "(precision.grad_accum_dtype, pretrain's default; DeepSpeed's own would sum them in bf16, "
+            "which precision.grad_accum_dtype=bf16 keeps)"
+        )
 
 
 def _switch(ds: dict[str, Any], *keys: str) -> Any:

@@ -56,6 +56,12 @@ def render_deepspeed(cfg: RunConfig) -> dict[str, Any]:
         else {"type": "Adam", "params": {**params, "adam_w_mode": False}},
         "gradient_clipping": o.grad_clip,
         "bf16": {"enabled": p.bf16},
+        # bf16 gradients summed over the micro batches in fp32 (BF16_Optimizer at stage 1, the ZeRO
+        # optimizers' fp32 partition at 2 and 3), and over the data-parallel ranks in fp32 too: in
+        # bf16, stage 1 would round the fp32 sum to bf16 to all-reduce it. Without these DeepSpeed
+        # sums both in bf16.
+        **({"data_types": {"grad_accum_dtype": p.grad_accum_dtype}} if p.bf16 else {}),
+        **({"communication_data_type": "fp32"} if p.accumulates_in_fp32 else {}),
         "fp16": {
             "enabled": p.fp16,
             "loss_scale": int(p.loss_scale) if p.loss_scale.is_integer() else p.loss_scale,

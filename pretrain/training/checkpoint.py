@@ -205,12 +205,16 @@ def restore_rng(
     if states and len(states) == world_size:
         set_rng_state(states[rank])
         return "restored"
-    s = (seed * 1_000_003 + step * 101 + rank) % 2**63
-    torch.manual_seed(s)
-    random.seed(s)
-    np.random.seed(s % 2**32)
+    seed_generators((seed * 1_000_003 + step * 101 + rank) % 2**63)
     saved = len(states) if states else 0
     return f"reseeded (saved by {saved} ranks, running on {world_size})"
+
+
+def seed_generators(seed: int) -> None:
+    """Seed torch's, Python's and numpy's generators (what a checkpoint saves and restores)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
 
 
 def gather_rng(group: Any) -> list[dict[str, Any]]:
@@ -831,7 +835,11 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], 
     if problems:
         raise DataError(f"{ckpt.path}: cannot resume:\n  - " + "\n  - ".join(problems))
     if warn:
-        for note in [*schedule_changes(ckpt, cfg), *batch_and_seed_changes(ckpt, cfg)]:
+        for note in [
+            *schedule_changes(ckpt, cfg),
+            *batch_and_seed_changes(ckpt, cfg),
+            *accumulation_change(ckpt, cfg),
+        ]:
             print(f"warning: {note}", flush=True)
     saved_data = ckpt.meta.get("data_manifest_sha256")
     if warn and saved_data and saved_data != datasets_sha256(datasets):
@@ -840,6 +848,21 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], 
             "order will not continue exactly",
             flush=True,
         )
+
+
+def accumulation_change(ckpt: Checkpoint, cfg: RunConfig) -> list[str]:
+    """A bf16 resume that sums gradients in another dtype than the checkpoint's run (DeepSpeed loads
+    one's optimizer state into the other). A checkpoint from before precision.grad_accum_dtype summed
+    them in bf16, DeepSpeed's default."""
+    if not cfg.precision.bf16:
+        return []
+    was = ckpt.meta.get("config", {}).get("precision", {}).get("grad_accum_dtype", "bf16")
+    now = cfg.precision.grad_accum_dtype
+    if was == now:
+        return []
+    return [
+        f"this resume changes precision.grad_accum_dtype from {was} to {now}: the gradients are summed in {now} from here on"
+    ]
 
 
 def batch_and_seed_changes(ckpt: Checkpoint, cfg: RunConfig) -> list[str]:
@@ -911,7 +934,9 @@ def load(engine: Any, ckpt: Checkpoint) -> dict[str, Any]:
     # universal checkpoint at start and its own native ones (a rollback) later.
     engine._config.load_universal_checkpoint = ckpt.universal
     groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
-    with safe_loading():
+    # No autograd while loading: a pipeline's load broadcasts its tied embedding in place, which with
+    # autograd on leaves a c10d::broadcast_ record that every later backward warns about.
+    with safe_loading(), torch.no_grad():
         path, client_state = engine.load_checkpoint(str(ckpt.root), tag=ckpt.tag)
     if path is None:
         raise CheckpointError(f"{ckpt.path}: DeepSpeed could not load this checkpoint")

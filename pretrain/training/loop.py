@@ -432,7 +432,7 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
     # between data-parallel ranks, or each would drop the same units, and agree within a tensor-
     # parallel group, whose ranks hold the same activations between their sharded layers. A resume
     # restores these generators.
-    torch.manual_seed(cfg.seed + 1 + dp_rank)
+    checkpoint.seed_generators(cfg.seed + 1 + dp_rank)
 
     def loader(split: str, grad_accum: int, shuffle: bool) -> ShardedLoader:
         return ShardedLoader(
