@@ -79,7 +79,8 @@ def torchrun(nproc: int, port: int, data: Path, out: Path, jobs: list[dict], tim
         timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    return dict(json.loads((out / f"jobs{nproc}.results.json").read_text()), _stdout=proc.stdout)
+    results = json.loads((out / f"jobs{nproc}.results.json").read_text())
+    return dict(results, _stdout=proc.stdout, _stderr=proc.stderr)
 
 
 def cli(

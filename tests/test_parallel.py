@@ -122,6 +122,14 @@ def test_two_rank_layouts_match_one_rank(one_rank, two_ranks, name):
     assert_close(losses(two_ranks[0][name]), losses(one_rank[0][single]))
 
 
+def test_no_gradient_goes_through_a_broadcast(two_ranks):
+    """DeepSpeed ties a pipeline's embedding across stages by broadcasting its weight in place; built
+    (and loaded from a checkpoint) with autograd on, every backward of the last stage warned that it
+    would backprop through c10d::broadcast_. The stages are built and loaded without autograd: the
+    broadcast is no part of any graph (the losses above show the tied gradient is the one-rank one)."""
+    assert "autograd kernel was not registered" not in two_ranks[0]["_stderr"]
+
+
 def test_tokens_are_counted_once_per_data_parallel_group(one_rank, two_ranks):
     """Two tensor ranks, or two stages, work on one batch: the samples and tokens of a step are
     its global batch's, not twice it."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pretrain.cluster.hardware import set_tf32
 from pretrain.cluster.launch import launcher
 from pretrain.cluster.reach import free_port, who_holds
 from pretrain.config.tree import RunConfig
@@ -209,18 +210,20 @@ def device() -> torch.device:
 
 
 def build_model(cfg: RunConfig, ds_config: dict[str, Any], init: Source | None = None) -> Any:
-    """The GPT, or with parallel.pipeline > 1 this rank's pipeline stage of it (pipeline.py), with
-    the weights of `init` (model.init_from, checked): of a stage only its layers' tensors are read,
-    and with tensor parallelism only this rank's slices of them (init_from.load_shares).
+    """The GPT, or with parallel.pipeline > 1 this rank's pipeline stage of it (pipeline.py), on this
+    rank's device, with the weights of `init` (model.init_from, checked).
 
-    A tensor-parallel model (or stage) is built whole on the host, where there is room for it, and
-    only the rank's shards reach the device: AutoTP slices it and DeepSpeed moves what is left."""
-    where = torch.device("cpu") if cfg.parallel.tensor > 1 else device()
+    Under tensor or pipeline parallelism no rank builds the whole model, nor its whole stage: its
+    part is built on the meta device and materialised a layer at a time, each cut to the rank's share
+    as soon as it exists (tensor_parallel.py). The initial weights are drawn layer by layer on the
+    device's generator, as a one-rank run draws them, so every layout starts from the same weights."""
+    where = device()
     if cfg.parallel.pipeline > 1:
         from pretrain.training.pipeline import build_pipeline
 
-        with where:
-            return build_pipeline(cfg, init)
+        return build_pipeline(cfg, where, init)
+    if cfg.parallel.tensor > 1:
+        return build_tensor_parallel(cfg, where, init)
     return build_gpt(cfg, ds_config, where, init)
 
 
@@ -233,9 +236,7 @@ def build_gpt(
     `cfg.seed` and its name (model.init_seed), so every ZeRO stage and every layout starts from the
     same weights: under zero.Init each submodule is partitioned as soon as its constructor returns,
     before GPT's own init pass could see it. Then `init`'s weights, if any, replace them
-    (init_from.load_into: at ZeRO-3 one gathered parameter at a time; with parallel.tensor > 1 only
-    the slices AutoTP will leave to this rank, written before `deepspeed.initialize` shards the model
-    and builds the optimizer's copies of it).
+    (init_from.load_into: at ZeRO-3 one gathered parameter at a time).
     """
     import deepspeed  # after init_distributed, see there
 
@@ -245,7 +246,7 @@ def build_gpt(
             model = GPT(cfg.model)
         model.reset_parameters(cfg.seed)
         if init is not None:
-            init_from.load_into(model, init, cfg.model, zero3=False, tensor=tensor_place(cfg))
+            init_from.load_into(model, init, cfg.model, zero3=False)
         return model
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = GPT(cfg.model)
@@ -257,6 +258,41 @@ def build_gpt(
                 model.init_weights(module)
     if init is not None:
         init_from.load_into(model, init, cfg.model, zero3=True)
+    return model
+
+
+def build_tensor_parallel(cfg: RunConfig, where: torch.device, init: Source | None = None) -> GPT:
+    """The GPT of a tensor-parallel rank (no pipeline): built on the meta device, then each layer in
+    turn materialised on `where` with the weights it has in a one-rank GPT, `init`'s slices for this
+    rank (init_from.load_shares), and, for a block, cut by AutoTP to this rank's share a part at a
+    time (tensor_parallel.materialize_layer). The embeddings, the norms and the head stay whole, as
+    AutoTP leaves them."""
+    from pretrain.training.tensor_parallel import TensorSharder, materialize_layer
+
+    m = cfg.model
+    groups = tensor_parallel_groups(cfg)
+    with torch.device("meta"):
+        model = GPT(m)
+    sharder = TensorSharder(model, m, cfg.parallel.tensor, groups.get_tensor_model_parallel_group())
+    layers: list[tuple[str, torch.nn.Module]] = [("wte", model.wte)]
+    layers += [("wpe", model.wpe)] if model.wpe is not None else []
+    layers += [(f"h.{i}", block) for i, block in enumerate(model.h)]
+    layers += [("ln_f", model.ln_f)] + ([] if m.tie_embeddings else [("lm_head", model.lm_head)])
+    load = (
+        None
+        if init is None
+        else functools.partial(init_from.load_shares, source=init, m=m, tensor=tensor_place(cfg))
+    )
+    for name, layer in layers:
+        materialize_layer(
+            layer, m, gpt_name=name, root_name=name, seed=cfg.seed, where=where, load=load, sharder=sharder
+        )
+    if m.tie_embeddings:
+        model.lm_head.weight = model.wte.weight  # the embedding was given new storage: tie it again
+    model.to_empty(device=where, recurse=False)  # the GPT's own buffers (RoPE tables)
+    with where:
+        model.reset_buffers()
+    sharder.finish(model, universal_info=True)
     return model
 
 
@@ -320,6 +356,8 @@ def initialize(cfg: RunConfig, model: Any, ds_config: dict[str, Any]) -> Any:
     import deepspeed  # after init_distributed, see there
 
     check_precision(cfg)
+    if device().type == "cuda":
+        set_tf32(cfg.precision.tf32)  # fp32 matmuls; the MFU's peak reads the same switch
     pipelined = cfg.parallel.pipeline > 1
     if pipelined:
         # The pipeline engine takes its groups from the stage's topology; AutoTP's config path

@@ -498,13 +498,11 @@ def state_dict(source: Source, m: ModelConfig) -> dict[str, Tensor]:
 
 
 @torch.no_grad()
-def load_into(
-    model: nn.Module, source: Source, m: ModelConfig, *, zero3: bool, tensor: tuple[int, int] = (1, 0)
-) -> None:
-    """Write the directory's weights into `model` (a GPT of config `m`; `check` passed on every rank). Under
-    ZeRO-3 (`zero3`: built in zero.Init) each parameter is gathered on its own and rank 0 alone reads
-    its tensor and writes it, then DeepSpeed re-partitions it: one tensor at a time in memory. Under
-    tensor parallelism (`tensor`: (degree, this rank's place in its tensor group)) see `load_shares`."""
+def load_into(model: nn.Module, source: Source, m: ModelConfig, *, zero3: bool) -> None:
+    """Write the directory's weights into `model` (a whole GPT of config `m`; `check` passed on every
+    rank). Under ZeRO-3 (`zero3`: built in zero.Init) each parameter is gathered on its own and rank 0
+    alone reads its tensor and writes it, then DeepSpeed re-partitions it: one tensor at a time in
+    memory. A tensor- or pipeline-parallel rank's layers take theirs through `load_shares`."""
     params = dict(model.named_parameters())  # a tied head is wte's weight: named once, as wte
     if zero3:
         import deepspeed
@@ -519,7 +517,7 @@ def load_into(
                 if load is not None:
                     params[k].data.copy_(load())
         return
-    load_shares(params, source, m, tensor)
+    load_shares(params, source, m)
 
 
 # Our rows (ranges) or our columns (one range) of a parameter: (rows, None) or (None, cols).

@@ -187,6 +187,13 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """The mean next-token loss of logits (B, T, V) against targets (B, T) (-1: ignored), in fp32
+    whatever the logits' dtype (as autocast computes it): a bf16 loss keeps 8 bits, and the sums of
+    losses over micro batches, ranks and log steps are made from it."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
+
+
 def init_seed(seed: int, name: str) -> int:
     """The seed of one module's initial weights: the run's seed and the module's name in GPT (e.g.
     "h.3.attn.c_attn"), so that any part of the model initialised alone gets the weights it has in
@@ -213,6 +220,30 @@ def init_weights(module: nn.Module, cfg: ModelConfig) -> None:
             nn.init.zeros_(bias)
 
 
+def materialize(module: nn.Module, prefix: str, cfg: ModelConfig, *, seed: int, where: torch.device) -> None:
+    """Give a module built on the meta device (a block, an embedding, a norm, the head) storage on
+    `where` and the initial weights it has in the whole GPT: each submodule from `init_seed(seed, its
+    name in GPT)` (`prefix`: the module's own, e.g. "h.3."), drawn on `where`'s generator as a GPT
+    built there draws them, and its derived buffers (the RoPE tables) recomputed. A model-parallel
+    rank builds its part of the model this way, one layer at a time, and never holds it whole."""
+    module.to_empty(device=where)
+    with torch.device(where):
+        for name, sub in module.named_modules():
+            if isinstance(sub, HasDerivedBuffers):
+                sub.reset_buffers()
+            if any(True for _ in sub.parameters(recurse=False)):
+                torch.manual_seed(init_seed(seed, f"{prefix}{name}".strip(".")))
+                init_weights(sub, cfg)
+
+
+class HasDerivedBuffers(nn.Module):
+    """A module whose buffers are computed from its config (not learned, not in checkpoints): what
+    `materialize` recomputes after giving a meta-built module storage."""
+
+    def reset_buffers(self) -> None:
+        raise NotImplementedError
+
+
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW's decay / no-decay groups of `module`'s parameters (each shared tensor once): decay the
     weights of the projections, not biases, norms or embeddings. A tied lm_head's weight is wte's, an
@@ -233,7 +264,7 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     ]
 
 
-class GPT(nn.Module):
+class GPT(HasDerivedBuffers):
     rope_cos: Tensor  # (block_size, hs/2), buffers present only with position="rope"
     rope_sin: Tensor
 
@@ -250,13 +281,17 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             # Weight tying (Press & Wolf 2017): the output projection is the token embedding.
             self.lm_head.weight = self.wte.weight
-        if cfg.position == "rope":
-            # Computed once and shared by every layer. Non-persistent: they follow the model across
-            # devices but are derived from the config, so they stay out of checkpoints.
-            cos, sin = rope_cache(cfg.block_size, cfg.rotary_dims, cfg.rope_theta)
+        self.reset_buffers()
+        self.reset_parameters(0)
+
+    def reset_buffers(self) -> None:
+        """The RoPE tables (none with learned positions), computed once and shared by every layer.
+        Non-persistent: they follow the model across devices but are derived from the config, so
+        they stay out of checkpoints."""
+        if self.cfg.position == "rope":
+            cos, sin = rope_cache(self.cfg.block_size, self.cfg.rotary_dims, self.cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters(0)
 
     def init_weights(self, module: nn.Module) -> None:
         """Initialise `module`'s own parameters; a tied lm_head is wte's weight, initialised as wte."""
@@ -301,8 +336,7 @@ class GPT(nn.Module):
 
         if targets is not None:
             logits = self.lm_head(x)  # (B, T, V)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-            return logits, loss
+            return logits, cross_entropy(logits, targets)
         # Inference: only the last position's logits are needed; the list index keeps the time dim.
         return self.lm_head(x[:, [-1], :]), None  # (B, 1, V)
 

@@ -12,16 +12,22 @@ between the two. Every layer keeps the parameter names it has in `GPT` under its
 (`gpt_names` maps them back), and initialises each module from `init_seed(seed, its GPT name)`, so
 a stage built alone holds exactly the weights a single-rank GPT would.
 
+A stage's layers are built on the meta device and materialised one at a time (`GPTStage`), so a
+rank never holds its whole stage, and DeepSpeed's count of every layer's parameters (to balance the
+stages) builds nothing real.
+
 Tensor parallelism within a pipeline: DeepSpeed's AutoTP training path (`tensor_parallel` in the
 engine config) builds a 2-D data x tensor mesh of its own, which would override the pipeline
-engine's groups. So for a pipeline the same AutoTP layers are applied here, before
+engine's groups. So for a pipeline the same AutoTP layers are applied here, layer by layer before
 `deepspeed.initialize`, over the pipeline topology's model-parallel groups, and the engine config
 goes without `tensor_parallel`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,11 +35,11 @@ import torch.nn as nn
 from torch import Tensor
 from torch.nn import functional as F
 
-from pretrain.config.ds_render import autotp_layer_specs, pipeline_checkpoint_interval
+from pretrain.config.ds_render import pipeline_checkpoint_interval
 from pretrain.config.tree import ModelConfig, RunConfig, required_vocab_size
 from pretrain.training import init_from
 from pretrain.training.init_from import Source
-from pretrain.training.model import Block, init_seed, init_weights, norm, rope_cache
+from pretrain.training.model import Block, HasDerivedBuffers, cross_entropy, norm, rope_cache
 
 TIED = "wte"  # the key of the tied embedding / head in the PipelineModule
 
@@ -57,7 +63,7 @@ class Positions(nn.Module):
         return self.drop(x)
 
 
-class PipelineBlock(Block):
+class PipelineBlock(Block, HasDerivedBuffers):
     """A block that carries its own RoPE tables (a stage holds no GPT to share them)."""
 
     rope_cos: Tensor
@@ -65,9 +71,13 @@ class PipelineBlock(Block):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
+        self.cfg = cfg
         self.rope = cfg.position == "rope"
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
         if self.rope:
-            cos, sin = rope_cache(cfg.block_size, cfg.rotary_dims, cfg.rope_theta)
+            cos, sin = rope_cache(self.cfg.block_size, self.cfg.rotary_dims, self.cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -102,14 +112,17 @@ def tied_logits(embedding: nn.Embedding, x: Tensor) -> Tensor:
 
 
 class LossFn:
-    """Cross-entropy of the last stage's logits, as GPT.forward computes it. `poison` (a test hook:
-    PRETRAIN_FAULT_NAN_STEPS) makes the next step's losses NaN."""
+    """Cross-entropy of the last stage's logits, as GPT.forward computes it: in fp32, whatever the
+    logits' dtype, because DeepSpeed's pipeline engine sums the micro batches' losses (for the step's
+    loss and for evaluation) in the loss's own dtype, and a bf16 running sum of 512 losses near 1.7
+    stops growing at 512. `poison` (a test hook: PRETRAIN_FAULT_NAN_STEPS) makes the next step's
+    losses NaN."""
 
     def __init__(self) -> None:
         self.poison = False
 
     def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        loss = cross_entropy(logits, targets)
         return loss * float("nan") if self.poison else loss
 
 
@@ -119,65 +132,130 @@ def gpt_names(cfg: ModelConfig) -> list[str]:
     return ["wte.", "", *(f"h.{i}." for i in range(cfg.n_layer)), "", head]
 
 
-def build_pipeline(cfg: RunConfig, init: Source | None = None) -> Any:
-    """The PipelineModule of `cfg` on this rank: only this stage's layers are built, each initialised
-    as in the whole GPT, then given the weights of `init` (model.init_from), if any: only this
-    stage's tensors are read, and with parallel.tensor > 1 only the slices AutoTP leaves to this rank
-    (init_from.load_shares); then, with parallel.tensor > 1, sharded by AutoTP over the tensor groups."""
-    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+def build_pipeline(cfg: RunConfig, where: torch.device, init: Source | None = None) -> Any:
+    """The PipelineModule of `cfg` on this rank, holding only this stage's layers: each built on the
+    meta device (DeepSpeed builds every layer of the model once more to count its parameters, for
+    `partition_method` parameters: on the meta device that costs nothing), then, one at a time on
+    `where`, initialised as in the whole GPT, given the weights of `init` (model.init_from: only this
+    stage's tensors, and with parallel.tensor > 1 only the slices AutoTP leaves to this rank), and with
+    parallel.tensor > 1 cut to this rank's share (tensor_parallel.py). No rank holds its whole stage."""
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
     from torch.distributed import get_world_size
 
+    spec, tied_spec = _meta_specs()
     m, par = cfg.model, cfg.parallel
-    embed = TiedLayerSpec(TIED, TokenEmbedding, m, tied_weight_attr="weight")
+    embed = tied_spec(TIED, TokenEmbedding, m, tied_weight_attr="weight")
     head = (
-        TiedLayerSpec(TIED, TokenEmbedding, m, forward_fn=tied_logits, tied_weight_attr="weight")
+        tied_spec(TIED, TokenEmbedding, m, forward_fn=tied_logits, tied_weight_attr="weight")
         if m.tie_embeddings
-        else LayerSpec(Head, m)
+        else spec(Head, m)
     )
-    layers = [embed, LayerSpec(Positions, m), *(LayerSpec(PipelineBlock, m) for _ in range(m.n_layer))]
-    layers += [LayerSpec(FinalNorm, m), head]
+    layers = [embed, spec(Positions, m), *(spec(PipelineBlock, m) for _ in range(m.n_layer))]
+    layers += [spec(FinalNorm, m), head]
     dp = get_world_size() // par.model_parallel
-    module = PipelineModule(
-        layers=layers,
-        topology=PipeModelDataParallelTopology(num_pp=par.pipeline, num_mp=par.tensor, num_dp=dp),
-        loss_fn=LossFn(),
-        partition_method=par.partition_method,
-        activation_checkpoint_interval=pipeline_checkpoint_interval(cfg),
-        activation_checkpoint_func=_checkpoint,
-    )
-    _init_stage(module, cfg)
-    if init is not None:
-        place = (par.tensor, module._grid.get_slice_parallel_rank())  # within this rank's tensor group
-        init_from.load_shares(stage_parameters(module, m), init, m, place)
-    if par.tensor > 1:
-        shard_tensor_parallel(module, cfg)
-    return module
+    # No autograd while building: PipelineModule ties the embedding of the first and last stages by
+    # broadcasting its weight in place, which with autograd on leaves a c10d::broadcast_ record that
+    # every backward of the last stage then warns about (docs/parallel.md).
+    with torch.no_grad():
+        return _stage_class()(
+            StageBuild(cfg, where, init),
+            layers=layers,
+            topology=PipeModelDataParallelTopology(num_pp=par.pipeline, num_mp=par.tensor, num_dp=dp),
+            loss_fn=LossFn(),
+            partition_method=par.partition_method,
+            activation_checkpoint_interval=pipeline_checkpoint_interval(cfg),
+            activation_checkpoint_func=_checkpoint,
+        )
+
+
+@dataclass(frozen=True)
+class StageBuild:
+    """What a stage's layers are materialised with: the config, the device, `model.init_from`."""
+
+    cfg: RunConfig
+    where: torch.device
+    init: Source | None
+
+
+@functools.cache
+def _meta_specs() -> tuple[Any, Any]:
+    """DeepSpeed's LayerSpec and TiedLayerSpec, building their modules on the meta device."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    class MetaLayerSpec(LayerSpec):
+        def build(self, log: bool = False) -> nn.Module:
+            with torch.device("meta"):
+                return super().build(log=log)
+
+    class MetaTiedLayerSpec(TiedLayerSpec):
+        def build(self, log: bool = False) -> nn.Module:
+            with torch.device("meta"):
+                return super().build(log=log)
+
+    return MetaLayerSpec, MetaTiedLayerSpec
+
+
+@functools.cache
+def _stage_class() -> type:
+    """DeepSpeed's PipelineModule, its meta-built layers materialised where it moves them to its device.
+
+    PipelineModule's constructor builds the stage's layers, then calls `self.to(device)`, then ties
+    the shared embedding across stages (a broadcast of its weight): `to` is the first point at which
+    the stage's topology (its tensor-parallel group) exists and its layers are built. Later calls of
+    `to` (the engine's) are the plain one."""
+    from deepspeed.pipe import PipelineModule
+
+    class GPTStage(PipelineModule):
+        def __init__(self, build: StageBuild, **kwargs: Any) -> None:
+            self.pending_build: StageBuild | None = build  # a plain attribute: set before Module.__init__
+            super().__init__(**kwargs)
+
+        def to(self, *args: Any, **kwargs: Any) -> Any:
+            if self.pending_build is not None:
+                build, self.pending_build = self.pending_build, None
+                _materialize_stage(self, build)
+            return super().to(*args, **kwargs)
+
+    return GPTStage
 
 
 def _checkpoint(function: Any, *args: Tensor) -> Any:
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
 
-def _init_stage(module: Any, cfg: RunConfig) -> None:
-    """Initialise this stage's layers as the whole GPT would (model.init_seed of each GPT name)."""
-    names = gpt_names(cfg.model)
-    for idx, layer in _local_layers(module):
-        for sub_name, sub in layer.named_modules():
-            if any(True for _ in sub.parameters(recurse=False)):
-                name = f"{names[idx]}{sub_name}".strip(".") or names[idx].strip(".")
-                torch.manual_seed(init_seed(cfg.seed, name))
-                init_weights(sub, cfg.model)
+def _materialize_stage(module: Any, build: StageBuild) -> None:
+    """Each of this stage's layers in turn: storage on `build.where` and the initial weights it has in
+    the whole GPT (model.materialize), `init_from`'s weights (this rank's slices), and its tensor-
+    parallel share. Only the blocks hold split matrices; the embeddings, norms and head stay whole."""
+    from pretrain.training.tensor_parallel import TensorSharder, materialize_layer
 
-
-def stage_parameters(module: Any, m: ModelConfig) -> dict[str, nn.Parameter]:
-    """This stage's parameters by their names in GPT (a tied embedding once, as `wte.weight`)."""
+    cfg, m, par = build.cfg, build.cfg.model, build.cfg.parallel
     names = gpt_names(m)
-    return {
-        f"{names[idx]}{name}": p
-        for idx, layer in _local_layers(module)
-        for name, p in layer.named_parameters()
-    }
+    grid = module._grid  # the stage's topology, built by PipelineModule before its layers
+    sharder = None
+    if par.tensor > 1:
+        from deepspeed.utils import groups
+
+        # AutoTP's training layers ask DeepSpeed's groups for their group: it is the pipeline's.
+        groups._TENSOR_MODEL_PARALLEL_GROUP = grid.get_slice_parallel_group()
+        sharder = TensorSharder(module, m, par.tensor, grid.get_slice_parallel_group())
+    place = (par.tensor, grid.get_slice_parallel_rank())  # within this rank's tensor group
+    load = None
+    if build.init is not None:
+        load = functools.partial(init_from.load_shares, source=build.init, m=m, tensor=place)
+    for idx, layer in _local_layers(module):
+        materialize_layer(
+            layer,
+            m,
+            gpt_name=names[idx].rstrip("."),
+            root_name=str(idx),
+            seed=cfg.seed,
+            where=build.where,
+            load=load,
+            sharder=sharder,
+        )
+    if sharder is not None:
+        sharder.finish(module, universal_info=False)
 
 
 def _local_layers(module: Any) -> Iterator[tuple[int, nn.Module]]:
@@ -191,42 +269,3 @@ def _local_layers(module: Any) -> Iterator[tuple[int, nn.Module]]:
         if id(layer) not in seen and key == TIED:
             seen.add(id(layer))
             yield 0, layer
-
-
-def shard_tensor_parallel(module: Any, cfg: RunConfig) -> None:
-    """AutoTP's training layers over the pipeline topology's tensor groups (see the module doc)."""
-    from deepspeed.module_inject.auto_tp import AutoTP
-    from deepspeed.module_inject.autotp_config import AutoTPConfig
-    from deepspeed.module_inject.layers import set_autotp_mode
-    from deepspeed.utils import groups
-
-    group = module._grid.get_slice_parallel_group()  # this rank's tensor-parallel peers
-    set_autotp_mode(training=True)
-    # AutoTP's training layers ask DeepSpeed's groups for their group: it is the pipeline's.
-    groups._TENSOR_MODEL_PARALLEL_GROUP = group
-    spec = AutoTPConfig.from_dict(
-        {
-            "tp_size": cfg.parallel.tensor,
-            "use_default_specs": False,
-            "layer_specs": autotp_layer_specs(cfg.model),
-        }
-    )
-    autotp = AutoTP(
-        module=module,
-        all_reduce_linears=(),
-        prefix="",
-        state_dict=None,
-        linear_layer_setting=(nn.Linear, nn.Embedding),
-        orig_layer_impl=None,
-        keep_module_on_host=False,
-        partition_config=spec,
-        vocab_parallel_lm_head=False,
-        model_config=None,
-        tp_grain_size=1,
-        training_mode=True,
-    )
-    autotp.set_tensor_parallel_config(cfg.parallel.tensor, group)
-    autotp.update_linear_policies()
-    autotp._replace_module(module)
-    autotp.register_replicated_grad_hooks(module)
-    module.ds_autotp_parsed = True
