@@ -24,6 +24,7 @@ from pretrain.cluster.plan import (
 from pretrain.config.presets import PRESETS, build
 from pretrain.config.tree import analytic_flops_per_token, analytic_num_params
 from tests.conftest import ROOT, subprocess_env
+from tests.test_plan_target import configured_row
 
 A100X64 = ROOT / "hostfiles" / "a100x64"  # 8 nodes x 8 A100-80GB
 A100X16 = ROOT / "hostfiles" / "a100x16"  # 2 nodes x 8
@@ -72,9 +73,10 @@ def test_memory_per_rank_of_tp2_pp2_by_hand():
     first, last = stage_shares(cfg, Layout(2, 2, 2))
     assert (first.blocks, first.first, first.last, first.params) == (2, True, False, 2 * block + embedding)
     assert (last.blocks, last.first, last.last, last.params) == (2, False, True, 2 * block + head)
-    # ZeRO-1 over the 2 data-parallel ranks, bf16: 2 + 2 bytes a parameter, 12 / 2 of optimizer state
-    # and 4 / 2 of the fp32 copy of the gradient partition DeepSpeed's step makes
-    states = [12 * first.params, 12 * last.params]
+    # ZeRO-1 over the 2 data-parallel ranks, bf16 summed in fp32 (the default): DeepSpeed's
+    # BF16_Optimizer, 2 bytes a parameter, 2 of bf16 gradients, 4 of its whole fp32 gradient buffer, and
+    # 12 / 2 of fp32 master weights and Adam state
+    states = [14 * first.params, 14 * last.params]
     # Activations a micro batch a block: the norms' inputs, attention's and the MLP's (4 x 64) whole, q,
     # k, v, attention out and SwiGLU's four (2 x 64 + 2 x 32 + 4 x 128) halved, x s 32 x b 2 x 2 bytes.
     per_block = (4 * 64 + (2 * 64 + 2 * 32 + 4 * 128) // 2) * 32 * 2 * 2
@@ -83,11 +85,11 @@ def test_memory_per_rank_of_tp2_pp2_by_hand():
         2 * (2 * per_block + embedded),
         1 * (2 * per_block + logits),
     ]  # 1F1B: 2 in flight on stage 0
-    # Two reduce buckets (overlap_comm) of 2-byte gradients, each reduce_bucket_size elements whatever the
-    # stage's parameters: DeepSpeed allocates them at that size (the gradients fill the first Ψ elements).
-    working = [2 * 2 * cfg.zero.reduce_bucket_size] * 2
-    totals = [s + a + w for s, a, w in zip(states, activations, working, strict=True)]
-    assert totals[0] > totals[1]
+    # No reduce buckets: after backward the engine all-reduces the fp32 buffer, under 5e8 elements
+    # concatenated (4 bytes a parameter) and cast to bf16 (2), once the activations are freed.
+    after = [6 * first.params, 6 * last.params]
+    totals = [s + max(a, w) for s, a, w in zip(states, activations, after, strict=True)]
+    assert after[1] > activations[1] and totals[0] > totals[1]
     row = next(p for p in plan_stages(cfg, 8, device_gb=1.0) if p.stage == 1)
     assert (row.layout, row.pipeline_stage, row.rank_params) == ("TP2 x PP2 x DP2", 0, first.params)
     assert row.device_total_gb * 1e9 == pytest.approx(totals[0])
@@ -147,10 +149,10 @@ def test_llama_70b_on_8_nodes_of_8_a100_80gb_fits():
     text = out.stdout
     assert "layout: TP8 x PP4 x DP2 = 64 ranks" in text
     assert "device memory 80.0 GB (--device: A100-80GB)" in text
-    row = next(line for line in text.splitlines() if line.startswith("*1 "))  # this config: ZeRO-1
-    cells = [c.strip() for c in row.split("|")]
-    memory, fits = float(cells[2]), cells[6]
-    assert fits == "yes" and 20 < memory < 80
+    row = configured_row(text)
+    assert row["stage"].startswith("*1 ")  # this config: ZeRO-1
+    memory = float(row["device total"])
+    assert row["fits"] == row["host fits"] == "yes" and 20 < memory < 80
     time_row = next(line for line in text.splitlines() if line.startswith("*ZeRO-1"))
     step_s, days = float(time_row.split("|")[1]), float(time_row.split("|")[-1])
     assert step_s > 0 and days == pytest.approx(step_s * 500_000 / 86400, rel=0.01)
@@ -170,8 +172,8 @@ def test_when_nothing_fits_the_layouts_that_do_are_listed_as_overrides(capsys):
     for line in listed[:2]:
         sets = line.split("| --set ")[1].split(" --set ")
         again = plan_text(capsys, *args, "--set", "parallel.pipeline=2", *(f"--set={s}" for s in sets))
-        mine = next(r for r in again.splitlines() if r.startswith("*") and r[1].isdigit())
-        assert mine.split("|")[6].strip() == "yes"
+        mine = configured_row(again)
+        assert mine["fits"] == mine["host fits"] == "yes"
         assert "= 512 sequences per step" in again.split("\n")[1]  # the global batch kept
         step = next(r for r in again.splitlines() if r.startswith("*ZeRO-")).split("|")[1]
         assert float(step) == float(line.split("|")[1])

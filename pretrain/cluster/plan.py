@@ -10,15 +10,35 @@ data-parallel ranks, stage 2 also the gradients, stage 3 also the parameters:
 
 In fp32 the parameters and gradients take 4 bytes each. K stays 12 at stages 1-3, where DeepSpeed's
 ZeRO optimizer keeps its own fp32 copy of each rank's partition, and is 8 at stage 0 (torch AdamW:
-momentum and variance only). In 16-bit training DeepSpeed's step also converts the gradient partition
-to fp32 (4 Ψ / N more at stages 1-3), and stage 3 holds the layer it has gathered (its 16-bit
-parameters and gradients); with these the count is DeepSpeed's own estimators' at stage 2 (2 Ψ +
-18 Ψ / N) and under every offload (stage 2: 2 Ψ; stage 3: 4 L + 2 Ψ / N, or 4 L with the
-parameters offloaded, L the largest layer). Offloading the optimizer moves K Ψ / N and the fp32 gradient
-partition to host memory, and the 16-bit gradient partition off the device (stage 2 reduces into the
-fp32 copy, stage 3 keeps it on the host); stage 1 keeps its full gradients on the device until
-backward ends. Offloading parameters (stage 3) moves the parameters
-to the host. `model_states` says where each piece is read from DeepSpeed's sources.
+momentum and variance only). What DeepSpeed 0.19.8 allocates on top is read from its sources
+(`memory.py` says where). With bf16 gradients summed in 16 bits (precision.grad_accum_dtype bf16),
+and fp16, its step converts the gradient partition to fp32 (4 Ψ / N more at stages 1-3), and stage 3
+holds the layer it has gathered (its 16-bit parameters and gradients); with these the count is
+DeepSpeed's own estimators' at stage 2 (2 Ψ + 18 Ψ / N) and under every offload (stage 2: 2 Ψ;
+stage 3: 4 L + 2 Ψ / N, or 4 L with the parameters offloaded, L the largest layer). Offloading the
+optimizer moves K Ψ / N and the fp32 gradient partition to host memory, and the 16-bit gradient
+partition off the device (stage 2 reduces into the fp32 copy, stage 3 keeps it on the host); stage 1
+keeps its full gradients on the device until backward ends. Offloading parameters (stage 3) moves
+the parameters to the host.
+
+bf16 gradients summed in fp32 (grad_accum_dtype fp32, the default) take DeepSpeed's fp32 buffer
+instead, which the step reads in place (stage 0 sums bf16 only, so its rows sum in bf16):
+
+    stage 1: (2 + 2 + 4) Ψ + K Ψ / N     (BF16_Optimizer: the bf16 gradients and a whole fp32 buffer)
+    stage 2: 2 Ψ + (4 + K) Ψ / N    stage 3: (2 + 4 + K) Ψ / N + 4 min(Ψ / N, 1e9) + 4 L
+
+and after backward BF16_Optimizer all-reduces its buffer in fp32 (the rendered communication_data_type),
+in place beyond 5e8 elements; cast to bf16 (deepspeed_extra's communication_data_type bf16, DeepSpeed's
+own default) it goes through a bf16 copy (2 Ψ), counted against the activations it outlives (smaller
+buffers are concatenated first: `memory.allreduce_copy_bytes`). Under optimizer offload the device keeps
+2 Ψ + 4 Ψ + 4 Ψ / N at stage 1 (each parameter's fp32 grad_accum, and the partition reduced into),
+2 Ψ + 4 Ψ / N at stage 2, and the host (K + 4) Ψ / N ((K + 4 + 4) Ψ / N at stage 3).
+
+Host memory, a rank from its start (`memory.host_at_start`): its process (`memory.PROCESS_HOST_GB`:
+torch, DeepSpeed, on a GPU a CUDA context), the model where the host is its device (a CPU rank's
+states, or the fp32 model it builds first; a GPU rank builds its model on the GPU), and the
+offloaded states. A node holds its ranks'; when that is more than `--host-gb`, the plan names a ZeRO
+stage or offload that fits, or the ranks a host that would.
 
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models"): 34 s b h bytes per layer at 16 bits, of which 2 s b h are dropout masks; the 5 a s^2 b
@@ -28,7 +48,11 @@ fp32 softmax are added, as they dominate small models with large vocabularies.
 Communication per step (the paper, section 7) is 2 Ψ elements for stages 0-2 (all-reduce = reduce-
 scatter + all-gather) and 3 Ψ for stage 3 (parameters all-gathered in forward and in backward,
 gradients reduce-scattered). With gradient accumulation stage 2 reduces gradients at every micro
-step, and stage 3 gathers and reduces at every micro step.
+step, and stage 3 gathers and reduces at every micro step. `comm_split` parts the elements into
+gradients and parameters, and `comm_bytes` counts each in the dtype it travels in: a gradient in its
+communication dtype (`memory.gradient_comm_bytes`: 4 bytes where bf16 gradients are summed in fp32,
+which are then reduced in fp32 too, 2 where they are summed in bf16, at stage 0, or where
+deepspeed_extra's communication_data_type says bf16), a parameter in its own (2 in bf16).
 
 Step time (`predict_step`) adds three parts, per rank:
 - compute: the FLOPs of the rank's tokens (6N + attention, `analytic_flops_per_token`, and the
@@ -70,7 +94,6 @@ that fit as the `--set` overrides that give them, fastest first.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import math
@@ -84,12 +107,25 @@ import torch
 
 from pretrain.cluster.evidence import default_efficiency, gpu_class
 from pretrain.cluster.hardware import GPU_PEAK_TFLOPS, device_peak_tflops, gpu_peak_tflops
-from pretrain.config.ds_render import pipeline_checkpoint_interval, render_deepspeed
+from pretrain.cluster.layout import VARIANTS as VARIANTS  # re-exported for plan's callers
+from pretrain.cluster.layout import Layout, StageShare, layout_of, layout_variants, recomputes, stage_shares
+from pretrain.cluster.memory import (
+    GB,
+    PROCESS_HOST_GB,
+    deepspeed_estimate,
+    gradient_comm_bytes,
+    host_at_start,
+    rank_memory,
+)
+from pretrain.cluster.memory import activation_bytes as activation_bytes  # re-exported, as below
+from pretrain.cluster.memory import bucket_written_bytes as bucket_written_bytes
+from pretrain.cluster.memory import largest_layer_params as largest_layer_params
+from pretrain.cluster.memory import model_states as model_states
+from pretrain.config.ds_render import render_deepspeed
 from pretrain.config.tree import (
     ModelConfig,
     RunConfig,
     analytic_num_params,
-    data_parallel_of,
     deep_merge,
     load_file,
     parse_override,
@@ -97,15 +133,6 @@ from pretrain.config.tree import (
 )
 from pretrain.errors import ConfigError, DataError
 from pretrain.files import read_csv
-
-GB = 1e9
-# (stage, offload_optimizer, offload_param): every stage, with and without offload.
-VARIANTS = [(0, False, False)] + [
-    (s, off, par)
-    for s in (1, 2, 3)
-    for off, par in ((False, False), (True, False), (True, True))
-    if s == 3 or not par
-]
 
 
 @dataclass
@@ -124,12 +151,18 @@ class StagePlan:
     ds_host_gb: float | None  # per node, as DeepSpeed estimates host memory
     comm_gb_per_step: float  # ZeRO's, per rank, as in the paper (elements x bytes, no (N-1)/N factor)
     fits: bool | None
-    host_fits: bool | None  # the offloaded states of a node's ranks in its host memory
+    host_fits: bool | None  # a node's ranks' host memory from the start (host_node_gb) in its host's
     layout: str = "TP1 x PP1 x DP1"
     pipeline_stage: int = 0  # the stage of the rank shown: the one that needs the most memory
     rank_params: int = 0  # the parameters that rank holds (its tensor shard of its stage)
     tp_comm_gb_per_step: float = 0.0  # tensor parallel's all-reduces (counted 2X, as comm_gb_per_step)
     pp_comm_gb_per_step: float = 0.0  # the pipeline's sends to neighbour stages
+    # Host memory from the start (memory.host_at_start), of the rank that needs the most there:
+    host_process_gb: float = 0.0  # its process (torch, DeepSpeed, a CUDA context on GPUs)
+    host_model_gb: float = 0.0  # the model, where the host is its device (CPU ranks)
+    host_rank_gb: float = 0.0  # process + model + the offloaded states (host_gb)
+    host_node_gb: float = 0.0  # host_rank_gb x node_ranks
+    node_ranks: int = 1  # the ranks of a node
 
 
 @dataclass
@@ -142,275 +175,40 @@ class Target:
     device_src: str = ""
     host_gb: float | None = None
     note: str = ""  # what the plan could not know about the target, and the flag that tells it
-
-
-# ---------------------------------------------------------------------------------------------
-# The layout: tensor x pipeline x data-parallel ranks, and what each pipeline stage's ranks hold
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A world of ranks as tensor x pipeline x data-parallel groups (DeepSpeed's topology: tensor
-    ranks adjacent, then data, pipeline stages outermost)."""
-
-    tensor: int = 1
-    pipeline: int = 1
-    data: int = 1
+    device: str | None = None  # the device named (a GPU, or 'cpu'); None: this machine's
 
     @property
-    def world(self) -> int:
-        return self.tensor * self.pipeline * self.data
-
-    def __str__(self) -> str:
-        return f"TP{self.tensor} x PP{self.pipeline} x DP{self.data}"
+    def on_cpu(self) -> bool:
+        """Whether the ranks run on CPUs, whose device memory is the host's (as `resolve_rates` decides)."""
+        return self.device == "cpu" or (self.device is None and not torch.cuda.is_available())
 
 
-def layout_of(cfg: RunConfig, world: int) -> Layout:
-    """`cfg`'s parallel section on `world` ranks, the data-parallel size as the tree derives it."""
-    par = cfg.parallel
-    dp = data_parallel_of({"world_size": world, "model_parallel": par.model_parallel})
-    if dp is None:
-        raise ConfigError(
-            [f"parallel: tensor x pipeline ({par.model_parallel}) does not divide the world size ({world})"],
-            "plan",
-        )
-    return Layout(par.tensor, par.pipeline, dp)
-
-
-@dataclass(frozen=True)
-class StageShare:
-    """One pipeline stage as each of its tensor-parallel ranks holds it."""
-
-    index: int
-    blocks: int
-    first: bool  # holds the embeddings (wte, wpe)
-    last: bool  # holds ln_f and the lm_head (under pipeline, a tied lm_head's own copy of wte)
-    params: int  # on each rank of the stage: 1/tensor of the blocks' matrices, the rest whole
-    flops_per_token: float  # forward + backward on each rank, the recomputed forward included
-
-
-def layer_params(m: ModelConfig) -> tuple[int, int, int, int]:
-    """(embedding, a block's tensor-parallel part, a block's replicated part, head) parameters.
-
-    AutoTP splits a block's four matrices (and their biases, counted with them) over the tensor
-    ranks (`ds_render.autotp_layer_specs`); the norms, the embeddings and the lm_head stay whole on
-    every rank. A tied lm_head is wte: one copy without pipeline, one on the first and one on the last
-    stage with it (TiedLayerSpec), so the head's count includes it either way."""
-    d, vocab, f = m.n_embd, m.vocab_size or 0, m.ffn_hidden
-    kv, b = m.kv_heads * m.head_size, 1 if m.bias else 0
-    norm = d + b * d
-    attention = d * (d + 2 * kv) + b * (d + 2 * kv) + d * d + b * d
-    mlp = (2 if m.arch == "llama" else 1) * (d * f + b * f) + f * d + b * d
-    embedding = vocab * d + (m.block_size * d if m.position == "learned" else 0)
-    return embedding, attention + mlp, 2 * norm, norm + vocab * d
-
-
-def recomputes(cfg: RunConfig, pipeline: int) -> int:
-    """Blocks between activation checkpoints (0: none): the pipeline's interval with stages, else
-    model.activation_checkpointing's one block."""
-    return pipeline_checkpoint_interval(cfg) if pipeline > 1 else int(cfg.model.activation_checkpointing)
-
-
-def stage_shares(cfg: RunConfig, layout: Layout) -> list[StageShare]:
-    """Each pipeline stage's blocks, parameters and FLOPs per rank.
-
-    The stages are cut as DeepSpeed's PipelineModule cuts the layer list [embedding, block x L,
-    head] (`parallel.partition_method`: 'uniform' by layer count, 'parameters' by parameter count,
-    with DeepSpeed's own partition functions); the embeddings weigh on the first stage, the head on
-    the last, whole on each of their tensor ranks."""
-    m, tp, pp = cfg.model, layout.tensor, layout.pipeline
-    emb, sharded, whole, head = layer_params(m)
-    n_layer = m.n_layer
-    block_params = sharded / tp + whole
-    attention_flops = 12 * m.n_head * m.head_size * m.block_size  # the scores and their weighted sum
-    block_flops = (6 * sharded + attention_flops) / tp + 6 * whole
-    if recomputes(cfg, pp):
-        block_flops *= 4 / 3  # the forward again in backward (2N of the 6N)
-    head_flops = 6 * head  # ln_f and the lm_head matmul, whole on every tensor rank; the lookups are free
-    if pp == 1:
-        tied = (m.vocab_size or 0) if m.tie_embeddings else 0  # one wte, which is the lm_head
-        cuts = [0, n_layer + 2]
-    else:
-        tied = 0
-        cuts = _partition(
-            (emb, *([sharded + whole] * n_layer), head), pp, cfg.parallel.partition_method == "uniform"
-        )
-    out = []
-    for i in range(pp):
-        start, stop = cuts[i], cuts[i + 1]
-        blocks = len(range(max(start, 1), min(stop, n_layer + 1)))
-        first, last = start == 0 < stop, stop == n_layer + 2 > start
-        params = blocks * block_params + (emb if first else 0) + (head if last else 0) - tied * m.n_embd
-        flops = blocks * block_flops + (head_flops if last else 0)
-        out.append(StageShare(i, blocks, first, last, round(params), flops))
-    return out
-
-
-@functools.lru_cache(maxsize=256)
-def _partition(weights: tuple[int, ...], parts: int, uniform: bool) -> list[int]:
-    """DeepSpeed's own cut of a PipelineModule's layers (`deepspeed.runtime.utils`)."""
-    from deepspeed.runtime.utils import partition_balanced, partition_uniform  # seconds to import
-
-    if uniform:
-        return list(partition_uniform(num_items=len(weights), num_parts=parts))
-    return [int(c) for c in partition_balanced(weights=list(weights), num_parts=parts)]
-
-
-def in_flight(cfg: RunConfig, layout: Layout, share: StageShare) -> int:
-    """Micro batches whose activations a stage keeps at once: one without pipeline; under the 1F1B
-    schedule stage s runs pipeline - s forwards before its first backward (all m when m is fewer)."""
-    return min(layout.pipeline - share.index, cfg.batch.gradient_accumulation_steps)
-
-
-def bytes_per_param(precision: str, stage: int) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer-state) bytes per parameter."""
-    if precision in ("bf16", "fp16"):
-        return 2, 2, 12
-    return 4, 4, (8 if stage == 0 else 12)
-
-
-def largest_layer_params(cfg: RunConfig) -> int:
-    """The most parameters any one module holds (ZeRO-3 gathers one module's at a time)."""
-    m = cfg.model
-    d, vocab, f = m.n_embd, m.vocab_size or 0, m.ffn_hidden
-    qkv = d + 2 * m.kv_heads * m.head_size  # c_attn's outputs
-    fc = (2 if m.arch == "llama" else 1) * f  # c_fc's outputs: SwiGLU fuses gate and up
-    b = 1 if m.bias else 0
-    return max(vocab * d, fc * d + b * fc, f * d + b * d, qkv * d + b * qkv)
-
-
-def model_states(
-    n_params: int,
-    *,
-    stage: int,
-    world: int,
-    precision: str,
-    offload_optimizer: bool,
-    offload_param: bool,
-    gathered: int = 0,
-) -> tuple[float, float, float, float]:
-    """(params, grads, optimizer) bytes on the device and bytes on the host, per rank.
-
-    On top of the ZeRO paper's count, as DeepSpeed 0.19's ZeRO optimizers run (read from
-    `stage_1_and_2.py` and `stage3.py`, and as its estimators count them):
-    - in 16-bit training the optimizer step converts the rank's gradient partition to fp32 (4Ψ/N,
-      counted with the optimizer: DeepSpeed's "4_grads_32bit"), at stage 3 one sub-group of at most
-      `ZERO3_SUB_GROUP` elements at a time;
-    - stage 3 gathers one layer's parameters at a time (`gathered`, the largest) and holds its full
-      gradients until they are reduce-scattered: p + g bytes of it on the device, offloaded or not;
-    - under optimizer offload the gradient partition goes to the host as it is reduced (stage 2's
-      `copy_grads_in_partition`, accumulated there across micro steps; stage 3's
-      grad_partitions_flat_buffer on the CPU), with its fp32 copy and the fp32 state; stage 1 keeps
-      its full gradients on the device until backward ends.
-    """
-    p, g, k = bytes_per_param(precision, stage)
-    psi, n = float(n_params), float(world)
-    params = p * psi / (n if stage >= 3 else 1)
-    grads = g * psi / (n if stage >= 2 else 1)
-    optim = k * psi / (n if stage >= 1 else 1)
-    fp32_grads = 0.0
-    if stage >= 1 and precision in ("bf16", "fp16"):
-        fp32_grads = 4 * (min(psi / n, ZERO3_SUB_GROUP) if stage == 3 else psi / n)
-    optim += fp32_grads
-    host = 0.0
-    if offload_optimizer:
-        # The fp32 state and the fp32 copy of the partition's gradients the CPU optimizer steps on.
-        host += k * psi / n + 4 * psi / n
-        optim = 0.0
-        if stage >= 2:
-            # Stage 3 keeps the 16-bit gradient partition on the host; stage 2 accumulates the
-            # partition's gradients there across micro steps (`async_accumulate_grad_in_cpu_via_gpu`).
-            host += grads
-            grads = 0.0
-    if offload_param:
-        host += params
-        params = 0.0
-    if stage == 3:
-        params += p * gathered
-        grads += g * gathered
-    return params, grads, optim, host
-
-
-# DeepSpeed's default zero_optimization.sub_group_size: stage 3 steps its optimizer one sub-group of
-# at most this many elements at a time.
-ZERO3_SUB_GROUP = 1e9
-
-
-def working_bytes(cfg: RunConfig, n_params: int, *, stage: int, world: int) -> float:
-    """Buffers DeepSpeed adds on the device while it reduces gradients (read from its sources):
-
-    - stage 0: the gradients flattened into one all-reduce buffer of up to 5e8 elements (none with
-      one rank: pretrain then skips the reduction);
-    - stages 1-2: the reduce bucket, two of them when `overlap_comm` double-buffers, each of
-      `reduce_bucket_size` elements whatever the model's size: `setup_buckets` allocates them with
-      `torch.empty(reduce_bucket_size)` at a step's first backward and frees them after its last
-      (measured: 4.0 GB more live at the default 5e8 fp32 elements for a 3.2M- and a 30k-parameter
-      model alike). The gradients are written into the first Ψ elements only, so on a CPU the rest
-      is never resident (`bucket_written_bytes`), but a GPU's allocator hands out all of it;
-    - stage 3: a reduce bucket (the gathered layer is a model state, `model_states`).
-    """
-    _, g, _ = bytes_per_param(cfg.precision.name, stage)
-    z = cfg.zero
+def comm_split(n_params: int, stage: int, grad_accum: int) -> tuple[float, float]:
+    """(gradient elements, parameter elements) each rank sends per optimizer step, ZeRO paper
+    accounting: stage 0 all-reduces the gradients (2Ψ); stage 1 reduce-scatters them and all-gathers
+    the updated parameters (Ψ each); stage 2 reduce-scatters at every micro step; stage 3 also
+    gathers the parameters in every micro step's forward and backward."""
+    psi = float(n_params)
     if stage == 0:
-        return 0.0 if world == 1 else float(g * min(n_params, 500_000_000))
-    if stage in (1, 2):
-        return float(g * z.reduce_bucket_size * (2 if z.overlap_comm else 1))
-    return float(g * min(z.reduce_bucket_size, n_params))
-
-
-def bucket_written_bytes(cfg: RunConfig, n_params: int, *, stage: int) -> float:
-    """The part of stages 1-2's reduce buckets (`working_bytes`) that gradients are written into: each
-    of the rank's Ψ gradients is copied into a bucket once, the buckets taking turns when one fills.
-    Only these pages become resident on a CPU; the rest is allocated but never touched."""
-    if stage not in (1, 2):
-        return working_bytes(cfg, n_params, stage=stage, world=2)
-    _, g, _ = bytes_per_param(cfg.precision.name, stage)
-    z = cfg.zero
-    return float(g * min(n_params, z.reduce_bucket_size * (2 if z.overlap_comm else 1)))
-
-
-def activation_bytes(cfg: RunConfig, layout: Layout | None = None, share: StageShare | None = None) -> float:
-    """Activations kept for backward on one rank: one micro batch's through the whole model, or
-    (`layout`, `share`) those of a pipeline stage's micro batches in flight on one of its tensor ranks."""
-    m = cfg.model
-    layout = layout or Layout()
-    s, b, h, tp = m.block_size, cfg.batch.micro_batch_size, m.n_embd, layout.tensor
-    blocks, first, last = (
-        (m.n_layer, True, True) if share is None else (share.blocks, share.first, share.last)
-    )
-    vocab = m.vocab_size or 0
-    a = 2 if cfg.precision.name in ("bf16", "fp16") else 4  # bytes per activation value
-    masks = 2 * s * b * h if m.dropout > 0 else 0  # 1-byte dropout masks: attention out + MLP out
-    # Values kept per token: the two norms' inputs (2h); attention's input, q, k, v and output
-    # (3h + 2 kv, flash attention keeps no T x T scores); the MLP's input and hidden activations,
-    # GELU's c_fc output and GELU output (2f), or SwiGLU's gate, up, silu(gate) and product (4f).
-    # For gpt2 (f = 4h, kv = h) that is Korthikanti's 32 sbh bytes at a = 2, without masks. Tensor
-    # parallel splits what lies between a column- and a row-parallel matrix (q, k, v, attention's
-    # output, the MLP's hidden values) over the tensor ranks; the norms' and the matrices' inputs
-    # stay whole on each (no sequence parallelism).
-    kv, f = m.kv_heads * m.head_size, m.ffn_hidden
-    whole = 2 * h + h + h
-    split = 2 * h + 2 * kv + (4 if m.arch == "llama" else 2) * f
-    per_layer = (whole + split / tp) * s * b * a + masks
-    # With checkpointing: the input of every interval's first block, and one interval's activations
-    # while it is recomputed (once, whatever the micro batches in flight).
-    every = recomputes(cfg, layout.pipeline)
-    kept = math.ceil(blocks / every) * s * b * h * a if every else blocks * per_layer
-    recompute = min(every, blocks) * per_layer if every else 0
-    logits = s * b * vocab * (a + 4) if last else 0  # the logits and cross-entropy's fp32 softmax
-    embedded = s * b * h * a if first else 0  # the embedding output
-    count = 1 if share is None else in_flight(cfg, layout, share)
-    return float(count * (kept + logits + embedded) + recompute)
+        return 2 * psi, 0.0
+    if stage == 1:
+        return psi, psi
+    if stage == 2:
+        return grad_accum * psi, psi
+    return grad_accum * psi, 2 * psi * grad_accum
 
 
 def comm_elements(n_params: int, stage: int, grad_accum: int) -> float:
     """Elements each rank sends per optimizer step, ZeRO paper accounting."""
-    psi = float(n_params)
-    if stage <= 1:
-        return 2 * psi
-    if stage == 2:
-        return grad_accum * psi + psi  # a reduce-scatter per micro step, one all-gather per step
-    return 3 * psi * grad_accum
+    return sum(comm_split(n_params, stage, grad_accum))
+
+
+def comm_bytes(cfg: RunConfig, n_params: int, *, stage: int, grad_accum: int) -> float:
+    """Bytes each rank sends per optimizer step: the gradients in their communication dtype
+    (`memory.gradient_comm_bytes`: fp32 where bf16 gradients are summed in fp32), the parameters in
+    theirs (2 bytes in bf16 and fp16)."""
+    grads, params = comm_split(n_params, stage, grad_accum)
+    return grads * gradient_comm_bytes(cfg, stage) + params * elem_bytes(cfg.precision.name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -466,7 +264,8 @@ def hardware_flops_per_token(m: ModelConfig) -> float:
 
 
 def elem_bytes(precision: str) -> int:
-    """Bytes of a communicated gradient or parameter element."""
+    """Bytes of a communicated parameter or activation (and of a gradient reduced in the parameters'
+    dtype: `memory.gradient_comm_bytes` says which dtype a gradient travels in)."""
     return 2 if precision in ("bf16", "fp16") else 4
 
 
@@ -571,10 +370,10 @@ def predict_step(
     dp = layout.data
     heaviest = max(shares, key=lambda sh: sh.params)  # ZeRO's traffic and the optimizer grow with the shard
     comm = comm_seconds(
+        cfg,
         heaviest.params,
         stage=stage,
         grad_accum=m_batches,
-        precision=cfg.precision.name,
         world=dp,
         busbw=group_busbw(rates, layout.tensor * dp),
     )
@@ -607,13 +406,13 @@ def predict_step(
 
 
 def comm_seconds(
-    n_params: int, *, stage: int, grad_accum: int, precision: str, world: int, busbw: float
+    cfg: RunConfig, n_params: int, *, stage: int, grad_accum: int, world: int, busbw: float
 ) -> float:
     """A step's communication at `busbw`: the ZeRO paper's bytes (an all-reduce of X counted as
-    2X) times (N-1)/N, as a ring moves them, over a data-parallel group of `world` ranks."""
+    2X, `comm_bytes`) times (N-1)/N, as a ring moves them, over a data-parallel group of `world` ranks."""
     if world <= 1:
         return 0.0
-    return comm_elements(n_params, stage, grad_accum) * elem_bytes(precision) * (world - 1) / world / busbw
+    return comm_bytes(cfg, n_params, stage=stage, grad_accum=grad_accum) * (world - 1) / world / busbw
 
 
 # Assumed when neither a flag, a previous run nor preflight gives them.
@@ -651,11 +450,12 @@ def resolve_rates(
     if peak_tflops is not None:
         peak, src["peak"] = peak_tflops, "--peak-tflops"
     elif device not in (None, "cpu"):
-        table = gpu_peak_tflops(str(device), cfg.precision.name)
+        table = gpu_peak_tflops(str(device), cfg.precision.name, tf32=cfg.precision.tf32)
         named_by = f"{device_src}: device={device}" if device_src else f"--device {device}"
         if table is None:
             raise ConfigError([f"{named_by}: not in the peak table ({', '.join(GPU_PEAK_TFLOPS)})"], "plan")
-        peak, src["peak"] = table, f"{device} datasheet" + (f", {device_src}" if device_src else "")
+        peak = table
+        src["peak"] = f"{device} datasheet{_tf32_said(cfg)}" + (f", {device_src}" if device_src else "")
     elif cfg.logging.peak_tflops is not None:
         peak, src["peak"] = cfg.logging.peak_tflops, "logging.peak_tflops"
     else:
@@ -701,8 +501,12 @@ def resolve_rates(
 def _local_peak(cfg: RunConfig, ranks_per_node: int) -> tuple[float, str]:
     """This machine's device peak for one of `ranks_per_node` ranks (they share a CPU's cores):
     the same resolver as the MFU that `train` logs, so both read one number for one machine."""
-    if torch.cuda.is_available():
-        peak, source = device_peak_tflops(torch.device("cuda", 0), cfg.precision.name)
+    if torch.cuda.is_available():  # the config's TF32 switch, not this process's
+        name = torch.cuda.get_device_name(0)
+        peak = gpu_peak_tflops(name, cfg.precision.name, tf32=cfg.precision.tf32)
+        source = (
+            f"{name} datasheet{_tf32_said(cfg)}" if peak else f"{name}: unknown peak, set logging.peak_tflops"
+        )
     else:
         threads = torch.get_num_threads()
         share = max(1, (os.cpu_count() or 1) // ranks_per_node)
@@ -714,6 +518,13 @@ def _local_peak(cfg: RunConfig, ranks_per_node: int) -> tuple[float, str]:
     if peak is None:
         raise ConfigError([f"{source}; or pass --peak-tflops"], "plan")
     return peak, source
+
+
+def _tf32_said(cfg: RunConfig) -> str:
+    """How a GPU's datasheet peak was read for fp32: the TF32 tensor cores' (precision.tf32) or not."""
+    if cfg.precision.name != "fp32":
+        return ""
+    return ", TF32 (precision.tf32)" if cfg.precision.tf32 else ", fp32 without TF32 (precision.tf32=false)"
 
 
 def _busbw(
@@ -756,10 +567,10 @@ def _calibrate(rates: Rates, run_dir: Path) -> float:
     shares = stage_shares(run, layout)
     heaviest = max(shares, key=lambda sh: sh.params)
     comm = comm_seconds(
+        run,
         heaviest.params,
         stage=z.stage,
         grad_accum=b.gradient_accumulation_steps,
-        precision=run.precision.name,
         world=layout.data,
         busbw=group_busbw(rates, layout.tensor * layout.data),
     )
@@ -782,56 +593,6 @@ def _calibrate(rates: Rates, run_dir: Path) -> float:
     return shares[slowest].flops_per_token * tokens / compute / (rates.peak_tflops * 1e12)
 
 
-def deepspeed_estimate(
-    n_params: int,
-    largest: int,
-    *,
-    stage: int,
-    world: int,
-    gpus_per_node: int,
-    offload_optimizer: bool,
-    offload_param: bool,
-) -> tuple[float | None, float | None]:
-    """DeepSpeed's own (device, host) model-state estimate in bytes per rank; None at stages 0 and 1,
-    which it has no estimator for (its zero2 one partitions the gradients, which stage 1 does not)."""
-    nodes = max(1, world // gpus_per_node)
-    per_node = min(world, gpus_per_node)
-    if stage == 2:
-        # DeepSpeed only for its estimators: importing it takes seconds.
-        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
-        cpu, gpu = estimate_zero2_model_states_mem_needs(
-            n_params, per_node, nodes, cpu_offload=offload_optimizer
-        )
-        return float(gpu), float(cpu)
-    if stage == 3:
-        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs  # as above
-
-        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
-            n_params,
-            largest,
-            per_node,
-            nodes,
-            cpu_offload=offload_optimizer,
-            cpu_offload_params=offload_param,
-            zero_init=True,
-        )
-        return float(gpu), float(cpu)
-    return None, None
-
-
-def layout_variants(layout: Layout, cfg: RunConfig) -> list[tuple[int, bool, bool]]:
-    """The (stage, offload_optimizer, offload_param) that combine with a layout, as
-    `tree.parallel_problems` allows them: ZeRO 0-1 without offload under pipeline (1 alone with
-    gradient clipping), 0-2 with tensor parallel, everything with data parallelism alone."""
-    if layout.pipeline > 1:
-        lowest = 1 if cfg.optimizer.grad_clip > 0 else 0
-        return [v for v in VARIANTS if lowest <= v[0] <= 1 and not v[1]]
-    if layout.tensor > 1:
-        return [v for v in VARIANTS if v[0] <= 2]
-    return list(VARIANTS)
-
-
 def plan_stages(
     cfg: RunConfig,
     world: int,
@@ -839,69 +600,68 @@ def plan_stages(
     device_gb: float | None,
     gpus_per_node: int | None = None,
     host_gb: float | None = None,
+    cpu_ranks: bool = False,
 ) -> list[StagePlan]:
     """Every ZeRO stage and offload the layout allows, for this config's model, batch, precision and
-    layout (`cfg.parallel` on `world` ranks): the memory of the rank that needs the most."""
+    layout (`cfg.parallel` on `world` ranks): the memory of the rank that needs the most, and the host
+    memory from the start of the rank that needs the most there, times a node's ranks (`cpu_ranks`:
+    the ranks' device is the host)."""
     layout = layout_of(cfg, world)
     shares = stage_shares(cfg, layout)
-    dp, precision = layout.data, cfg.precision.name
     largest = largest_layer_params(cfg)
     per_node = gpus_per_node or min(world, 8)
     out = []
     for stage, off, par in layout_variants(layout, cfg):
-        rows = []
-        for share in shares:
-            params, grads, optim, host = model_states(
-                share.params,
-                stage=stage,
-                world=dp,
-                precision=precision,
-                offload_optimizer=off,
-                offload_param=par,
-                gathered=largest,
-            )
-            working = working_bytes(cfg, share.params, stage=stage, world=dp)
-            act = activation_bytes(cfg, layout, share)
-            rows.append(
-                (params + grads + optim + act + working, share, params, grads, optim, host, act, working)
-            )
-        total, share, params, grads, optim, host, act, working = max(rows, key=lambda r: r[0])
-        states = params + grads + optim
-        if layout.tensor * layout.pipeline == 1:
-            ds_dev, ds_host = deepspeed_estimate(
-                share.params, largest, stage=stage, world=world, gpus_per_node=per_node,
-                offload_optimizer=off, offload_param=par,
-            )  # fmt: skip
-        else:  # DeepSpeed's estimators know data parallelism only: the rank's shard over its group
-            ds_dev, _ = deepspeed_estimate(
-                share.params, largest, stage=stage, world=dp, gpus_per_node=dp,
-                offload_optimizer=off, offload_param=par,
-            )  # fmt: skip
-            ds_host = None
+        ranks = [
+            rank_memory(cfg, layout, sh, stage=stage, offload_optimizer=off, offload_param=par)
+            for sh in shares
+        ]
+        r = max(ranks, key=lambda x: x.total)
+        host = max(
+            (
+                host_at_start(device_total=x.total, offloaded=x.host, build=x.build, cpu=cpu_ranks,
+                              ranks=min(world, per_node))
+                for x in ranks
+            ),
+            key=lambda h: h.rank,
+        )  # fmt: skip
+        # DeepSpeed's estimators know data parallelism only: with model parallelism, the rank's shard
+        # over its data-parallel group, and no host figure
+        alone = layout.tensor * layout.pipeline == 1
+        ds_dev, ds_host = deepspeed_estimate(
+            r.share.params, largest, stage=stage, world=world if alone else layout.data,
+            gpus_per_node=per_node if alone else layout.data, offload_optimizer=off, offload_param=par,
+        )  # fmt: skip
         out.append(
             StagePlan(
                 stage=stage,
                 offload="optimizer+params" if par else "optimizer" if off else "none",
-                params_gb=params / GB,
-                grads_gb=grads / GB,
-                optimizer_gb=optim / GB,
-                host_gb=host / GB,
-                model_states_gb=states / GB,
-                activations_gb=act / GB,
-                working_gb=working / GB,
-                device_total_gb=total / GB,
+                params_gb=r.params / GB,
+                grads_gb=r.grads / GB,
+                optimizer_gb=r.optim / GB,
+                host_gb=r.host / GB,
+                model_states_gb=r.states / GB,
+                activations_gb=r.act / GB,
+                working_gb=(r.working + r.after) / GB,
+                device_total_gb=r.total / GB,
                 ds_device_gb=None if ds_dev is None else ds_dev / GB,
-                ds_host_gb=None if ds_host is None else ds_host / GB,
-                comm_gb_per_step=comm_elements(share.params, stage, cfg.batch.gradient_accumulation_steps)
-                * elem_bytes(precision)
+                ds_host_gb=None if ds_host is None or not alone else ds_host / GB,
+                comm_gb_per_step=comm_bytes(
+                    cfg, r.share.params, stage=stage, grad_accum=cfg.batch.gradient_accumulation_steps
+                )
                 / GB,
-                fits=None if device_gb is None else total / GB <= device_gb,
-                host_fits=None if host_gb is None else host * min(world, per_node) / GB <= host_gb,
+                fits=None if device_gb is None else r.total / GB <= device_gb,
+                host_fits=None if host_gb is None else host.node / GB <= host_gb,
                 layout=str(layout),
-                pipeline_stage=share.index,
-                rank_params=share.params,
-                tp_comm_gb_per_step=tp_comm_bytes(cfg, layout, share) / GB,
-                pp_comm_gb_per_step=pp_comm_bytes(cfg, layout, share) / GB,
+                pipeline_stage=r.share.index,
+                rank_params=r.share.params,
+                tp_comm_gb_per_step=tp_comm_bytes(cfg, layout, r.share) / GB,
+                pp_comm_gb_per_step=pp_comm_bytes(cfg, layout, r.share) / GB,
+                host_process_gb=host.process / GB,
+                host_model_gb=host.model / GB,
+                host_rank_gb=host.rank / GB,
+                host_node_gb=host.node / GB,
+                node_ranks=host.ranks,
             )
         )
     return out
@@ -1033,28 +793,49 @@ def render_plan(cfg: RunConfig, to: Target, rates: Rates | None = None, *, searc
         *([f"note: {to.note}"] if to.note else []),
         f"Memory per rank in GB, {layout}, world size {world}; device memory {_gb(device_gb)} GB "
         f"({to.device_src}); host memory {_gb(to.host_gb)} GB a node.",
-        "Model states by the ZeRO paper (see `pretrain/cluster/plan.py`), ZeRO sharding over the "
-        f"{layout.data} data-parallel rank{'s' if layout.data > 1 else ''}; DeepSpeed's estimate assumes 16-bit "
-        "training (2 + 18 bytes/param), gives host memory per node, and has no estimator for stages 0 and 1.",
+        "Model states by the ZeRO paper and DeepSpeed's buffers (see `pretrain/cluster/memory.py`), ZeRO sharding "
+        f"over the {layout.data} data-parallel rank{'s' if layout.data > 1 else ''}; DeepSpeed's estimate assumes "
+        "16-bit training summed in 16 bits (2 + 18 bytes/param), gives host memory per node, and has no estimator "
+        "for stages 0 and 1.",
     ]
     pp = layout.pipeline > 1
     header = (
         "stage  offload            params  grads  optim   host | states  activ  work | device total"
-        " | DS device  DS host/node | comm/step | fits | host fits" + (" | pipeline stage" if pp else "")
+        " | DS device  DS host/node | comm/step | fits | host/node | host fits"
+        + (" | pipeline stage" if pp else "")
     )
     lines += [header, "-" * len(header)]
-    chosen = (cfg.zero.stage, cfg.zero.offload_optimizer, cfg.zero.offload_param)
-    plans = plan_stages(cfg, world, device_gb=device_gb, gpus_per_node=to.ranks_per_node, host_gb=to.host_gb)
+    plans = plan_stages(
+        cfg,
+        world,
+        device_gb=device_gb,
+        gpus_per_node=to.ranks_per_node,
+        host_gb=to.host_gb,
+        cpu_ranks=to.on_cpu,
+    )
+    mine = _configured(cfg, plans)
     for p in plans:
-        mark = "*" if (p.stage, p.offload != "none", p.offload == "optimizer+params") == chosen else " "
+        mark = "*" if p is mine else " "
         row = (
             f"{mark}{p.stage:<5} {p.offload:<17} {_gb(p.params_gb):>7} {_gb(p.grads_gb):>6} "
             f"{_gb(p.optimizer_gb):>6} {_gb(p.host_gb):>6} | {_gb(p.model_states_gb):>6} "
             f"{_gb(p.activations_gb):>6} {_gb(p.working_gb):>5} | {_gb(p.device_total_gb):>12} | "
             f"{_gb(p.ds_device_gb):>9} {_gb(p.ds_host_gb):>13} | {_gb(p.comm_gb_per_step):>9} | "
-            f"{_yes(p.fits):>4} | {_yes(p.host_fits):<9}" + (f" | {p.pipeline_stage}" if pp else "")
+            f"{_yes(p.fits):>4} | {_gb(p.host_node_gb):>9} | {_yes(p.host_fits):<9}"
+            + (f" | {p.pipeline_stage}" if pp else "")
         )
         lines.append(row.rstrip())
+    lines += [render_legend(cfg, layout), *render_host(cfg, to, plans)]
+    if rates is not None:
+        lines += ["", *render_times(cfg, world, rates)]
+    if device_gb is not None and (search or not any(p.fits and p.host_fits is not False for p in plans)):
+        lines += ["", *render_search(cfg, to, rates, fitting=not search, plans=plans)]
+    return "\n".join(lines)
+
+
+def render_legend(cfg: RunConfig, layout: Layout) -> str:
+    """The line under the memory table that says what its columns count."""
+    m, pp = cfg.model, layout.pipeline > 1
     activ = (
         f"activations of the micro batches a stage keeps in flight (1F1B: stage s keeps min(p - s, m); "
         f"activation checkpoint interval {recomputes(cfg, layout.pipeline)})"
@@ -1062,18 +843,121 @@ def render_plan(cfg: RunConfig, to: Target, rates: Rates | None = None, *, searc
         else "activations of one micro batch "
         f"({'with' if m.activation_checkpointing else 'without'} activation checkpointing)"
     )
-    lines += [
+    p = cfg.precision
+    summed = (
+        f" Gradients summed over the micro batches in {p.grad_accum_dtype} (precision.grad_accum_dtype), "
+        "at stage 0 in bf16 (DeepSpeed's stage 0 sums no bf16 gradient in fp32); at stage 1 without offload "
+        "DeepSpeed's BF16_Optimizer keeps a whole fp32 gradient buffer beside the bf16 gradients."
+        if p.bf16 and p.accumulates_in_fp32
+        else f" Gradients summed in {p.grad_accum_dtype} (precision.grad_accum_dtype)."
+        if p.bf16
+        else ""
+    )
+    return (
         f"* this config. Each row is the rank that needs the most memory{' (its pipeline stage last)' if pp else ''}. "
-        f"activ: {activ}. work: DeepSpeed's "
-        "gradient reduction buffers (stage 3's gathered largest layer is in params and grads). comm: what each rank sends per "
-        "optimizer step for ZeRO (2Ψ stages 0-2, 3Ψ stage 3, Ψ the rank's parameters, per micro step where the "
-        "stage reduces each one). host fits: the offloaded states of a node's ranks in its host memory."
+        f"activ: {activ}. work: DeepSpeed's gradient reduction buffers, and BF16_Optimizer's all-reduce copy "
+        "after backward (counted against the activations it outlives: the larger of the two); stage 3's gathered "
+        "largest layer is in params and grads. comm: what each rank sends per optimizer step for ZeRO (2Ψ "
+        "stages 0-2, 3Ψ stage 3, Ψ the rank's parameters, per micro step where the stage reduces each one), "
+        f"{_comm_bytes_legend(cfg)}. host/node: a node's ranks' host memory from the start (the process, the "
+        f"model where the host is the device, the offloaded states); host fits: it fits the node's.{summed}"
+    )
+
+
+def _comm_bytes_legend(cfg: RunConfig) -> str:
+    """The bytes the comm column counts an element at: a gradient in the dtype it is reduced in
+    (`memory.gradient_comm_bytes`), a parameter in its own."""
+    grads, stage0 = gradient_comm_bytes(cfg, 1), gradient_comm_bytes(cfg, 0)
+    at_zero = f" ({stage0} at stage 0)" if stage0 != grads else ""
+    return f"a gradient at {grads} bytes{at_zero}, a parameter at {elem_bytes(cfg.precision.name)}"
+
+
+def _offload_name(offload_optimizer: bool, offload_param: bool) -> str:
+    return "optimizer+params" if offload_param else "optimizer" if offload_optimizer else "none"
+
+
+def _configured(cfg: RunConfig, plans: list[StagePlan]) -> StagePlan | None:
+    """The row of `plans` at the configured ZeRO stage and offload."""
+    z = cfg.zero
+    mine = (z.stage, _offload_name(z.offload_optimizer, z.offload_param))
+    return next((p for p in plans if (p.stage, p.offload) == mine), None)
+
+
+def render_host(cfg: RunConfig, to: Target, plans: list[StagePlan]) -> list[str]:
+    """One line: the configured rank's host memory from the start, a node's, and whether its host holds
+    it; when not, what would (`host_fixes`)."""
+    p = _configured(cfg, plans)
+    if p is None:
+        return []
+    process = "torch and DeepSpeed" if to.on_cpu else "torch, DeepSpeed and a CUDA context"
+    model = (
+        f"the model {_gb(p.host_model_gb)}, the host being the CPU ranks' device"
+        if to.on_cpu
+        else "the model 0, built on the GPU"
+    )
+    parts = (
+        f"a rank {_gb(p.host_rank_gb)} GB: its process {_gb(p.host_process_gb)}, assumed for {process} "
+        f"(memory.PROCESS_HOST_GB); {model}; offloaded states {_gb(p.host_gb)}"
+    )
+    need = f"a node's {p.node_ranks} ranks take {_gb(p.host_node_gb)} GB of host memory from the start"
+    if to.host_gb is None:
+        return [f"host: {need} ({parts}); the host's own is unknown: pass --host-gb."]
+    if p.host_fits:
+        return [f"host: {need}, of its {_gb(to.host_gb)} GB ({parts})."]
+    fixes = "; or ".join(host_fixes(cfg, to, plans, p))
+    return [f"host does not fit: {need}, more than its {_gb(to.host_gb)} GB ({parts}). Fix: {fixes}."]
+
+
+def ranks_a_host(most: int, world: int, tensor: int) -> int:
+    """The most ranks up to `most` a host can run that divide the world into whole hosts, whole tensor
+    groups a host where it can hold one (tensor parallel's all-reduces stay on a node's bus); 0: none."""
+    fits = [k for k in range(min(most, world), 0, -1) if world % k == 0]
+    return next((k for k in fits if k % tensor == 0), fits[0] if fits else 0)
+
+
+def host_fixes(cfg: RunConfig, to: Target, plans: list[StagePlan], mine: StagePlan) -> list[str]:
+    """What would make a node's ranks fit its host: another ZeRO stage or offload of this layout that
+    fits the device and the host as it is (the first in `VARIANTS` order the config allows); fewer
+    ranks a host, at this stage and offload or else at the one fitting the device that takes the
+    least host memory; or, where one rank alone does not fit, a larger host."""
+    rows: list[tuple[StagePlan, list[str]]] = [(mine, [])] + [
+        (p, over)
+        for p in plans
+        if p is not mine and p.fits and (over := _variant_overrides(cfg, to.world, p)) is not None
     ]
-    if rates is not None:
-        lines += ["", *render_times(cfg, world, rates)]
-    if device_gb is not None and (search or not any(p.fits and p.host_fits is not False for p in plans)):
-        lines += ["", *render_search(cfg, to, rates, fitting=not search)]
-    return "\n".join(lines)
+    fixes = [_said(p, over) for p, over in rows[1:] if p.host_fits][:1]
+    least = min(rows, key=lambda r: r[0].host_rank_gb)
+    tries: list[tuple[StagePlan, list[str]]] = [(mine, [])] if mine.fits or least[0] is mine else []
+    for row, sets in [*tries, least]:
+        per_host = ranks_a_host(int((to.host_gb or 0.0) // row.host_rank_gb), to.world, cfg.parallel.tensor)
+        if per_host:
+            with_sets = f"{_said(row, sets)} with " if sets else ""
+            return [*fixes, f"{with_sets}{per_host} rank{'s' if per_host > 1 else ''} a host (slots={per_host} "
+                    f"in the hostfile: {to.world // per_host} hosts for the {to.world} ranks)"]  # fmt: skip
+    row, sets = least
+    return [
+        *fixes,
+        f"hosts of {_gb(row.host_rank_gb)} GB a rank or more"
+        + (f", with {_said(row, sets)}" if sets else ""),
+    ]
+
+
+def _variant_overrides(cfg: RunConfig, world: int, p: StagePlan) -> list[str] | None:
+    """The `--set` overrides that give row `p`'s ZeRO stage and offload; None where the tree refuses them."""
+    z = cfg.zero
+    off, par = p.offload != "none", p.offload == "optimizer+params"
+    over = [f"zero.stage={p.stage}"] if p.stage != z.stage else []
+    over += [f"zero.offload_optimizer={str(off).lower()}"] if off != z.offload_optimizer else []
+    over += [f"zero.offload_param={str(par).lower()}"] if par != z.offload_param else []
+    return over if with_overrides(cfg, world, over) is not None else None
+
+
+def _said(p: StagePlan, over: list[str]) -> str:
+    """A row as the overrides that give it, and what it takes."""
+    return " ".join(f"--set {o}" for o in over) + (
+        f" (ZeRO-{p.stage} {p.offload}: {_gb(p.device_total_gb)} GB a device, {_gb(p.host_rank_gb)} GB of host "
+        "memory a rank)"
+    )
 
 
 def render_layout(cfg: RunConfig, layout: Layout) -> list[str]:
@@ -1219,6 +1103,19 @@ def micro_batches(micro: int) -> list[int]:
     return out
 
 
+def with_overrides(cfg: RunConfig, world: int, overrides: list[str]) -> RunConfig | None:
+    """`cfg` with these `--set` overrides on `world` ranks, its batch derived again; None where the
+    tree refuses the result (a layout the model's shape or ZeRO does not allow)."""
+    data: dict[str, Any] = cfg.model_dump(mode="json")
+    data["batch"] |= {"data_parallel_size": None, "train_batch_size": None}
+    for item in overrides:
+        data = deep_merge(data, parse_override(item))
+    try:
+        return validate(data, world)
+    except ConfigError:
+        return None
+
+
 def search_layouts(cfg: RunConfig, to: Target, rates: Rates | None) -> tuple[list[LayoutOption], int]:
     """The layouts of a small search that fit the device (and host), fastest first, and how many
     were tried: tensor 1, 2, 4, 8 up to the ranks of a node, pipeline stages dividing the node count
@@ -1229,8 +1126,6 @@ def search_layouts(cfg: RunConfig, to: Target, rates: Rates | None) -> tuple[lis
     world, m, b = to.world, cfg.model, cfg.batch
     per_node = to.ranks_per_node or min(world, 8)
     nodes = max(1, world // per_node)
-    base = cfg.model_dump(mode="json")
-    base["batch"] |= {"data_parallel_size": None, "train_batch_size": None}
     found, tried = [], 0
     for tp in (t for t in (1, 2, 4, 8) if t <= per_node):
         for pp in (p for p in range(1, m.n_layer + 1) if nodes % p == 0 or m.n_layer % p == 0):
@@ -1258,40 +1153,12 @@ def search_layouts(cfg: RunConfig, to: Target, rates: Rates | None) -> tuple[lis
                         over.append(f"zero.offload_optimizer={str(off).lower()}")
                     if par != cfg.zero.offload_param:
                         over.append(f"zero.offload_param={str(par).lower()}")
-                    data: dict[str, Any] = base
-                    for item in over:
-                        data = deep_merge(data, parse_override(item))
                     tried += 1
-                    try:
-                        c = validate(data, world)
-                    except ConfigError:
-                        continue  # a layout the model's shape or ZeRO refuses
-                    row = next(
-                        p
-                        for p in plan_stages(
-                            c, world, device_gb=to.device_gb, gpus_per_node=per_node, host_gb=to.host_gb
-                        )
-                        if (p.stage, p.offload != "none", p.offload == "optimizer+params")
-                        == (stage, off, par)
+                    option = _layout_option(
+                        cfg, to, rates, over, stage=stage, offload=_offload_name(off, par)
                     )
-                    if not row.fits or row.host_fits is False:
-                        continue
-                    t = None
-                    if rates is not None:
-                        t = predict_step(
-                            c, world, stage=stage, offload_optimizer=off, offload_param=par, rates=rates
-                        )
-                    found.append(
-                        LayoutOption(
-                            overrides=over,
-                            layout=row.layout,
-                            stage=stage,
-                            offload=row.offload,
-                            device_total_gb=row.device_total_gb,
-                            step_s=None if t is None else t.step_s,
-                            days=None if t is None else t.days,
-                        )
-                    )
+                    if option is not None:
+                        found.append(option)
     found.sort(key=lambda o: (o.step_s if o.step_s is not None else 0.0, o.device_total_gb))
     best: dict[tuple[str, int, str], LayoutOption] = {}
     for o in found:  # the fastest of each layout, stage and offload (a micro batch or checkpointing apart)
@@ -1299,20 +1166,58 @@ def search_layouts(cfg: RunConfig, to: Target, rates: Rates | None) -> tuple[lis
     return list(best.values()), tried
 
 
+def _layout_option(
+    cfg: RunConfig, to: Target, rates: Rates | None, overrides: list[str], *, stage: int, offload: str
+) -> LayoutOption | None:
+    """The layout these overrides give `cfg`, if the tree allows it and it fits the device and the host."""
+    c = with_overrides(cfg, to.world, overrides)
+    if c is None:
+        return None
+    plans = plan_stages(
+        c, to.world, device_gb=to.device_gb, gpus_per_node=to.ranks_per_node or min(to.world, 8),
+        host_gb=to.host_gb, cpu_ranks=to.on_cpu,
+    )  # fmt: skip
+    row = next(p for p in plans if (p.stage, p.offload) == (stage, offload))
+    if not row.fits or row.host_fits is False:
+        return None
+    t = None
+    if rates is not None:
+        off, par = offload != "none", offload == "optimizer+params"
+        t = predict_step(c, to.world, stage=stage, offload_optimizer=off, offload_param=par, rates=rates)
+    return LayoutOption(
+        overrides=overrides,
+        layout=row.layout,
+        stage=stage,
+        offload=row.offload,
+        device_total_gb=row.device_total_gb,
+        step_s=None if t is None else t.step_s,
+        days=None if t is None else t.days,
+    )
+
+
 SEARCH_SHOWN = 5
 
 
-def render_search(cfg: RunConfig, to: Target, rates: Rates | None, *, fitting: bool) -> list[str]:
+def render_search(
+    cfg: RunConfig, to: Target, rates: Rates | None, *, fitting: bool, plans: list[StagePlan]
+) -> list[str]:
+    """The layouts that fit (`search_layouts`), after what does not fit the configured one (`plans`)."""
     found, tried = search_layouts(cfg, to, rates)
+    host_bound = to.host_gb is not None and any(p.fits for p in plans)  # the device would hold a row
     said = (
-        f"Nothing fits {layout_of(cfg, to.world)} on {_gb(to.device_gb)} GB devices."
+        f"Nothing fits {layout_of(cfg, to.world)} on {_gb(to.device_gb)} GB devices"
+        + (f" and {_gb(to.host_gb)} GB hosts." if host_bound else ".")
         if fitting
         else f"Layouts on {to.world} ranks of {_gb(to.device_gb)} GB."
     )
     if not found:
+        fix = (
+            "the host line above says what would fit"
+            if host_bound
+            else "more ranks, or a smaller micro batch"
+        )
         return [f"{said} No layout of the {tried} searched fits either (tensor 1-8 within a node, pipeline "
-                "stages dividing the nodes or layers, ZeRO 0-3, activation checkpointing): more ranks, or a "
-                "smaller micro batch."]  # fmt: skip
+                f"stages dividing the nodes or layers, ZeRO 0-3, activation checkpointing): {fix}."]  # fmt: skip
     lines = [
         f"{said} Layouts that fit, fastest first ({min(len(found), SEARCH_SHOWN)} of the {len(found)} that fit, "
         f"the fastest micro batch and checkpointing of each, of {tried} searched; the global batch of {cfg.batch.sequences} sequences kept):",
@@ -1333,8 +1238,10 @@ def plan_json(
 ) -> dict[str, Any]:
     layout = layout_of(cfg, to.world)
     plans = plan_stages(
-        cfg, to.world, device_gb=to.device_gb, gpus_per_node=to.ranks_per_node, host_gb=to.host_gb
-    )
+        cfg, to.world, device_gb=to.device_gb, gpus_per_node=to.ranks_per_node, host_gb=to.host_gb,
+        cpu_ranks=to.on_cpu,
+    )  # fmt: skip
+    mine = _configured(cfg, plans)
     out: dict[str, Any] = {
         "params": analytic_num_params(cfg.model),
         "world_size": to.world,
@@ -1345,6 +1252,10 @@ def plan_json(
         "host_gb": to.host_gb,
         "note": to.note or None,
         "stages": [asdict(p) for p in plans],
+        "process_host_gb": PROCESS_HOST_GB["cpu" if to.on_cpu else "cuda"],  # a rank's, assumed
+        "host_fixes": host_fixes(cfg, to, plans, mine)
+        if mine is not None and mine.host_fits is False
+        else [],
     }
     out["budget"] = asdict(plan_budget(cfg, _this_config_step_s(cfg, to.world, rates)))
     if rates is not None:

@@ -53,15 +53,24 @@ def planned(run: PublishedRun) -> Planned:
     return Planned(t.tokens_per_s / to.world, mem.device_total_gb, rates.mfu, analytic_num_params(cfg.model))
 
 
-def implied_efficiency(run: PublishedRun) -> float:
+def implied_efficiency(run: PublishedRun) -> float | None:
     """The forward + backward efficiency at which `plan` predicts the run's published tokens/s (the
-    step's other parts, communication, bubble and optimizer, as `plan` counts them)."""
+    step's other parts, communication, bubble and optimizer, as `plan` counts them); None where no
+    efficiency does: at 1 `plan` still predicts less, its communication (at the bus bandwidth it assumes
+    for the GPU class), bubble and optimizer alone taking longer than the published step."""
     cfg, to, rates = plan_of(run)
-    lo, hi = 0.01, 1.0
-    for _ in range(30):
-        rates.mfu = (lo + hi) / 2
+
+    def tokens_per_s(mfu: float) -> float:
+        rates.mfu = mfu
         t = predict_step(
             cfg, to.world, stage=cfg.zero.stage, offload_optimizer=False, offload_param=False, rates=rates
         )
-        lo, hi = (rates.mfu, hi) if t.tokens_per_s / to.world < run.tokens_per_s_per_gpu else (lo, rates.mfu)
+        return t.tokens_per_s / to.world
+
+    lo, hi = 0.01, 1.0
+    if tokens_per_s(hi) < run.tokens_per_s_per_gpu:
+        return None
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tokens_per_s(mid) < run.tokens_per_s_per_gpu else (lo, mid)
     return (lo + hi) / 2
