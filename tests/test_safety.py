@@ -3,12 +3,14 @@ one run per run dir, and one clear message for each bad input, on the real comma
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import pickle
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import torch
 
 from pretrain.errors import CheckpointError, DataError
 from pretrain.training import checkpoint
-from tests.conftest import BIN, ROOT, TINY_SHAKESPEARE, cli, subprocess_env
+from tests.conftest import BIN, ROOT, TINY_SHAKESPEARE, cli, subprocess_env, torchrun
 
 TINY = [
     "--preset", "tiny", "--set", "model.block_size=32", "--set", "batch.micro_batch_size=2",
@@ -247,9 +249,55 @@ def test_resume_with_another_schedule_says_the_lr_jumps(small_run, tmp_path, cha
     assert "at step 4 the LR jumps from" in done.stdout
 
 
-def test_fp16_on_the_cpu_is_a_config_error(char_dataset, tmp_path):
-    done = cli(*train_args(char_dataset, tmp_path / "run", 2), "--set", "precision.fp16=true")
-    one_error(done, "precision.fp16: DeepSpeed's cpu accelerator on this machine does not support fp16")
+# Dynamic loss scaling from 2**4, doubled after each clean step: a scaler that did not resume shows.
+FP16 = ["precision.fp16=true", "precision.initial_scale_power=4", "precision.loss_scale_window=1",
+        "schedule.max_steps=4", "checkpoint.interval=2"]  # fmt: skip
+
+
+def fp16_supported() -> bool:
+    """What DeepSpeed's accelerator says of fp16 in a fresh process with this environment (oneDNN
+    reads its ISA cap once, at its first use)."""
+    ask = "from deepspeed.accelerator import get_accelerator as g; print(bool(g().is_fp16_supported()))"
+    done = subprocess.run(
+        [sys.executable, "-c", ask], env=subprocess_env(), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split()[-1] == "True"  # DeepSpeed's own log lines come first
+
+
+# "": the CPU as it is. AVX512_CORE_BF16: oneDNN capped below its fp16 kernels (AVX512_CORE_FP16), so
+# that DeepSpeed's CPU accelerator, which asks oneDNN, reports no fp16 on an x86 CPU that has it.
+@pytest.mark.parametrize("isa", ["", "AVX512_CORE_BF16"], ids=["as-is", "onednn-below-fp16"])
+def test_fp16_on_the_cpu_follows_the_accelerator(char_dataset, tmp_path, monkeypatch, isa):
+    """fp16 on the CPU is what DeepSpeed's CPU accelerator says: where it has fp16 (AVX-512 FP16, AMX-FP16),
+    fp16 trains with dynamic loss scaling and resumes bit for bit; where not, one line refuses it.
+    The test asserted the refusal on every CPU, and failed on a Sapphire Rapids, where fp16 trains."""
+    if isa:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)  # the runs below inherit it (subprocess_env)
+    if not fp16_supported():
+        done = cli(*train_args(char_dataset, tmp_path / "run", 2), "--set=precision.fp16=true")
+        one_error(
+            done,
+            "precision.fp16: DeepSpeed's cpu accelerator on this machine does not support fp16; "
+            "use bf16 or fp32 here (e.g. --set precision.fp16=false)",
+        )
+        return
+    jobs = [
+        {"name": "full", "run": "full", "overrides": FP16},
+        # saves after step 3 and stops; the resume trains step 4
+        {"name": "stop", "run": "res", "overrides": FP16, "env": {"PRETRAIN_FAULT_SIGTERM": "0:2"}},
+        {"name": "resume", "run": "res", "overrides": FP16, "resume": "auto"},
+    ]
+    res = torchrun(1, 0, char_dataset, tmp_path, jobs)
+    full, stop, resume = res["full"], res["stop"], res["resume"]
+    assert stop["final_step"] == 3 and resume["start_step"] == 3 and full["final_step"] == 4
+    assert {**stop["losses"], **resume["losses"]} == full["losses"], (stop, resume, full)  # bit for bit
+
+    def scales(run: str) -> dict[str, str]:
+        rows = csv.DictReader((tmp_path / run / "metrics.csv").open())
+        return {row["step"]: row["loss_scale"] for row in rows if row["loss"]}  # train rows, not eval's
+
+    assert scales("full") == scales("res") == {"1": "16", "2": "32", "3": "64", "4": "128"}
 
 
 def test_sample_device_that_is_not_there(small_run):
@@ -457,7 +505,12 @@ def test_resume_in_another_precision_or_from_zero_0_at_zero_2_is_refused_with_th
     a ZeRO-0 one at ZeRO-2 was told to convert, and convert said there was nothing to convert."""
     run = copy_run(small_run, tmp_path / "run")
     one_error(
-        cli(*train_args(char_dataset, run, 6), "--resume", "--set=precision.bf16=true"),
+        cli(
+            *train_args(char_dataset, run, 6),
+            "--resume",
+            "--set=precision.bf16=true",
+            "--set=precision.grad_accum_dtype=bf16",  # at zero.stage 0, DeepSpeed's only bf16 sums
+        ),
         "precision: the checkpoint was trained in fp32, this run is bf16",
         "--set precision.bf16=false precision.fp16=false",
     )
@@ -541,8 +594,6 @@ def test_the_bf16_advice_is_given_only_where_it_was_measured_to_pay(char_dataset
 def test_a_resume_sets_aside_the_rows_an_abandoned_attempt_logged(small_run, char_dataset, tmp_path):
     """Killed after step 4 with its newest checkpoint at step 2, a run's metrics.csv kept steps 3 and
     4 twice once resumed: the dead attempt's rows are moved to metrics.abandoned.csv."""
-    import csv
-
     run = copy_run(small_run, tmp_path / "run")
     shutil.rmtree(run / "checkpoints" / STEP_4)
     (run / "checkpoints" / "latest").write_text(f"{STEP_2}\n")
