@@ -524,7 +524,8 @@ def test_resume_in_another_precision_or_from_zero_0_at_zero_2_is_refused_with_th
 def test_a_second_ctrl_c_in_train_is_one_line_not_a_traceback(char_dataset, tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        # steps of a second or so: the second Ctrl-C comes while the first one's step still runs
+        # steps of several seconds: the second Ctrl-C, a person's (more than a second after the first,
+        # StopOnSignal.SAME_REQUEST_S), comes before the step the first one stops after has ended
         [
             str(BIN / "pretrain"),
             *train_args(char_dataset, run_dir, 100000),
@@ -532,6 +533,7 @@ def test_a_second_ctrl_c_in_train_is_one_line_not_a_traceback(char_dataset, tmp_
             "--set=model.n_layer=4",
             "--set=model.block_size=128",
             "--set=batch.micro_batch_size=8",
+            "--set=batch.gradient_accumulation_steps=16",
         ],
         cwd=ROOT,
         env=subprocess_env(),
@@ -544,13 +546,88 @@ def test_a_second_ctrl_c_in_train_is_one_line_not_a_traceback(char_dataset, tmp_
         assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
         time.sleep(0.5)
     proc.send_signal(signal.SIGINT)  # the first asks for a save and a stop ...
-    time.sleep(0.2)  # (two at once would be one: a pending signal is not queued twice)
+    time.sleep(1.5)  # (within a second it would be the same request, as a launcher's repeat is)
     proc.send_signal(signal.SIGINT)  # ... the second stops at once
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, out[-2000:] + err[-3000:]
     assert "interrupted (Ctrl-C): stopped at once, without saving" in err and "Traceback" not in err, (
         out[-3000:] + err[-3000:]
     )
+
+
+def test_a_signal_repeated_within_a_second_is_the_same_request():
+    """The real handler, real signals to this process: a Ctrl-C, then within a second the SIGINT a
+    launcher passes on and the SIGTERM DeepSpeed's launcher sends, ask for one save and stop; a
+    second Ctrl-C later than that (a person's) interrupts at once."""
+    from pretrain.training.guards import StopOnSignal
+
+    def steps(seconds: float) -> None:  # a loop's short steps: the main thread meets its handlers
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    stop = StopOnSignal().install()
+    try:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C, handled ...
+            steps(0.05)
+            assert stop.signum == signal.SIGINT
+            os.kill(os.getpid(), signal.SIGINT)  # ... before the launchers' repeats come
+            os.kill(os.getpid(), signal.SIGTERM)
+            steps(StopOnSignal.SAME_REQUEST_S + 0.5)  # an interrupt coming would have come
+        except KeyboardInterrupt:
+            pytest.fail("a signal repeated within a second interrupted at once")
+        assert stop.signum == signal.SIGINT  # the first's
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            steps(5)
+    finally:
+        stop.uninstall()
+
+
+@pytest.mark.distributed
+def test_ctrl_c_on_the_deepspeed_launcher_saves_though_the_signal_comes_again(char_dataset, tmp_path):
+    """Ctrl-C on the README's `deepspeed --num_gpus 2 pretrain/main.py` (2 CPU ranks, gloo): the
+    terminal's SIGINT reaches the launchers and every rank, DeepSpeed's launch.py then sends each
+    rank SIGTERM (psutil's terminate, rank by rank), and a launcher that passes the Ctrl-C on sends a
+    second SIGINT moments later (here the test, 50 ms later). One request: every rank saves the step
+    it stops at. The repeat had stopped the ranks at once, without saving."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "run"
+    endless = ["schedule.max_steps=1000000", "checkpoint.interval=1000000", "logging.eval_interval=1000000"]
+    proc = subprocess.Popen(
+        [
+            str(BIN / "deepspeed"), "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+            str(ROOT / "pretrain" / "main.py"), "--ds", str(ROOT / "ds_configs" / "cpu_zero2.json"), *TINY,
+            *(f"--set={s}" for s in endless), f"--set=data.corpus={TINY_SHAKESPEARE}",
+            f"--set=data.dataset_dir={char_dataset}", f"--set=logging.run_dir={run}",
+        ],
+        cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # a terminal's job: the Ctrl-C goes to its process group
+    )  # fmt: skip
+    try:
+        metrics = run / "metrics.csv"
+        deadline = time.monotonic() + 240
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) > 3):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # the same Ctrl-C, passed on
+        out = proc.communicate(timeout=180)[0]  # to the end of the output: the ranks outlive the runner
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    tags, _ = checkpoint.committed_tags(run / "checkpoints")
+    assert tags and "stopped at once" not in out, out[-4000:]
+    said = f"stopped by SIGINT at step {checkpoint.step_of(tags[-1])}; resume with --resume auto"
+    assert said in out, out[-4000:]
+    assert checkpoint.verify(run / "checkpoints" / tags[-1]) == []
 
 
 def test_max_restarts_does_not_retry_a_refused_run(small_run, char_dataset, tmp_path):
@@ -606,3 +683,59 @@ def test_a_resume_sets_aside_the_rows_an_abandoned_attempt_logged(small_run, cha
     assert len([r for r in rows if int(r["step"]) > 2]) == len(dead)  # the resumed run's own, once
     aside = list(csv.DictReader((run / "metrics.abandoned.csv").open()))
     assert [r["step"] for r in aside] == [r["step"] for r in dead] and aside[0]["loss"] == dead[0]["loss"]
+
+
+def test_a_stale_op_build_lock_is_one_line_and_a_live_build_a_named_wait(char_dataset, tmp_path):
+    """torch's JIT build of DeepSpeed's cpu_adam (optimizer offload) waits, silently and forever, on the
+    `lock` file a build killed mid-way leaves behind. A real offload start, against an extensions
+    directory of the test's own: a lock no process holds is one error naming it and the fix, in
+    seconds; a lock a live process holds is a wait that names it; when that process dies leaving the
+    lock, with a compiler of its build still running there, the error names that compiler too."""
+    ext = tmp_path / "extensions"
+    build = ext / "cpu_adam"
+    build.mkdir(parents=True)
+    lock = build / "lock"
+    lock.touch()
+    offload = ["--set=zero.stage=2", "--set=zero.offload_optimizer=true"]
+    env = {"TORCH_EXTENSIONS_DIR": str(ext)}
+    t0 = time.monotonic()
+    done = cli(*train_args(char_dataset, tmp_path / "run", 2), *offload, env=env, timeout=180)
+    err = one_error(
+        done, f"{lock} is a stale lock of DeepSpeed's cpu_adam op build", f"(rm -r {build}) and start again"
+    )
+    assert [line for line in err.splitlines() if line.strip()] == [err.strip()], err
+    assert time.monotonic() - t0 < 90
+    assert [p.name for p in build.iterdir()] == ["lock"]  # the lock is the person's to remove; nothing built
+
+    lock.unlink()  # a live build: a process holds the lock open, as torch's FileBaton does while it builds
+    take = "import os, sys, time; os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print('held', flush=True); time.sleep(600)"
+    holder = subprocess.Popen([sys.executable, "-c", take, str(lock)], stdout=subprocess.PIPE, text=True)
+    compiler = subprocess.Popen(["sleep", "600"], cwd=build)  # what ninja started: its own process group
+    log = tmp_path / "out.txt"
+    with log.open("w") as out:
+        run = subprocess.Popen(
+            [str(BIN / "pretrain"), *train_args(char_dataset, tmp_path / "run2", 2), *offload],
+            cwd=ROOT, env=subprocess_env(**env), stdout=out, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        deadline = time.monotonic() + 120
+        while "waiting for DeepSpeed's cpu_adam op" not in log.read_text():
+            assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.5)
+        waiting = log.read_text()
+        assert f"pid {holder.pid} (" in waiting and f"holds {lock}" in waiting, waiting
+        time.sleep(2)
+        assert run.poll() is None  # still waiting on the build
+        holder.kill()
+        holder.wait()
+        _, err = run.communicate(timeout=60)
+        assert run.returncode == 2 and "Traceback" not in err, err[-3000:]
+        errors = [line for line in err.splitlines() if line.startswith("error")]
+        assert len(errors) == 1 and f"{lock} is a stale lock" in errors[0], err[-3000:]
+        assert f"pid {compiler.pid} (sleep)" in errors[0] and f"kill {compiler.pid}), then" in errors[0]
+    finally:
+        for p in (run, holder, compiler):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

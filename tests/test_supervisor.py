@@ -4,6 +4,7 @@ leaves the previous checkpoint in charge; SIGTERM reaches the ranks, which save 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 
@@ -202,3 +203,132 @@ def test_a_rank_killed_is_named_by_the_rank_that_lost_it(char_dataset, tmp_path)
     # torchrun's own summary, one line a rank, the first failure first
     assert f"torchrun: rank 1 (pid {pid}) was killed by SIGKILL\n" in log, log[-4000:]
     assert "torchrun: rank 0 (pid " in log and "after rank 1 (torchrun stops the others)" in log
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("signals", [1, 2])
+def test_sigterm_to_a_supervised_pipeline_run_ends_on_one_line(char_dataset, tmp_path, signals):
+    """Preemption of `train --nproc-per-node 2` (PP2, a save every step): the ranks save and say so,
+    that line ends the output, exit 143, and no rank outlives the supervisor. torchrun's
+    `SignalException` traceback came after it, and a second SIGTERM (Slurm's, a person's) while the
+    ranks saved printed two."""
+    import time
+
+    run, log = tmp_path / "run", tmp_path / "out.txt"
+    endless = ["schedule.max_steps=1000000", "logging.eval_interval=1000000"]
+    pp2 = ["parallel.pipeline=2", "zero.stage=1", "checkpoint.interval=1", "checkpoint.keep_last=2"]
+    sets = [
+        f"--set={s}"
+        for s in [*SUPERVISED, *endless, *pp2, f"data.dataset_dir={char_dataset}", f"logging.run_dir={run}"]
+    ]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [str(BIN / "pretrain"), "train", CORPUS, *sets, "--nproc-per-node", "2"],
+            cwd=ROOT, env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        metrics = run / "metrics.csv"
+        deadline = time.monotonic() + 180
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) > 3):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        ranks = [_rank_pid(proc.pid, r) for r in (0, 1)]
+        for _ in range(signals):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+        proc.wait(timeout=180)
+        assert not [pid for pid in ranks if alive(pid)], "a rank outlived the supervisor"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    said = log.read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, said[-4000:]
+    tags, _ = checkpoint.committed_tags(run / "checkpoints")
+    stopped = f"stopped by SIGTERM at step {checkpoint.step_of(tags[-1])}; resume with --resume auto"
+    assert said.rstrip().splitlines()[-1] == stopped, said[-4000:]
+    assert not [w for w in ("Traceback", "SignalException", "death signal") if w in said], said[-4000:]
+
+
+@pytest.mark.distributed
+def test_a_refused_start_says_why_before_any_rank_starts(char_dataset, tmp_path):
+    """`train --nproc-per-node 2 --set parallel.pipeline=3`: every rank refused the config, but only
+    rank 0 printed it, and when rank 1 exited first torchrun killed rank 0 before it did; the
+    supervisor then said "refused (the error above)" under nothing. The config is checked first."""
+    run = tmp_path / "run"
+    sets = [f"--set={s}" for s in [*SUPERVISED, f"data.dataset_dir={char_dataset}", f"logging.run_dir={run}"]]
+    done = cli("train", CORPUS, *sets, "--set=parallel.pipeline=3", "--nproc-per-node", "2", timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out[-3000:]
+    assert out.count("parallel.pipeline (3) exceeds model.n_layer (2)") == 1, out[-3000:]
+    assert "supervisor: attempt" not in out and "torchrun" not in out and not run.exists(), out[-3000:]
+
+
+def _rank_pid(parent: int, rank: int, timeout: float = 60) -> int:
+    """The pid of rank `rank` under `parent`, as soon as it has started (its RANK variable)."""
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in descendants(parent):
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env:  # an entry of its own: not LOCAL_RANK's
+                return pid
+        time.sleep(0.01)
+    raise AssertionError(f"rank {rank} did not start within {timeout} s")
+
+
+def _pending(pid: int) -> int:
+    """The signals pending for process `pid` (its shared pending mask, from /proc)."""
+    from pathlib import Path
+
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("ShdPnd:")), 16)
+
+
+@pytest.mark.distributed
+def test_a_refusal_is_printed_when_the_rank_that_would_print_it_is_killed_first(char_dataset, tmp_path):
+    """A refusal the ranks meet (a DeepSpeed JSON DeepSpeed's validators reject) with rank 0 held
+    stopped from its start, so rank 1 refuses first and torchrun kills rank 0 before it could print:
+    the supervisor prints the refusal, once, from what the rank that refused left it."""
+    import json
+    import time
+
+    ds = json.loads((ROOT / "ds_configs" / "cpu_zero2.json").read_text())
+    ds["gradient_clippping"] = 1.0
+    bad = tmp_path / "bad_ds.json"
+    bad.write_text(json.dumps(ds))
+    run = tmp_path / "run"
+    sets = [f"--set={s}" for s in [*SUPERVISED, f"data.dataset_dir={char_dataset}", f"logging.run_dir={run}"]]
+    proc = subprocess.Popen(
+        [str(BIN / "pretrain"), "train", "--ds", str(bad), CORPUS, *sets, "--nproc-per-node", "2"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        rank0 = _rank_pid(proc.pid, 0)
+        os.kill(rank0, signal.SIGSTOP)  # held before it imports anything
+        # rank 1 refuses and exits; torchrun's SIGTERM to rank 0 waits, pending, until it runs on
+        deadline = time.monotonic() + 120
+        while not _pending(rank0) & (1 << (signal.SIGTERM - 1)):
+            assert time.monotonic() < deadline and proc.poll() is None, "torchrun did not stop rank 0"
+            time.sleep(0.05)
+        os.kill(rank0, signal.SIGCONT)  # and it dies of it, as when torchrun's SIGTERM beat its print
+        out = proc.communicate(timeout=180)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 2, out[-3000:]
+    said = "'gradient_clippping' is not a DeepSpeed config key"
+    assert out.count(said) == 1 and "error: invalid" in out, out[-3000:]
+    assert out.index(said) < out.index("supervisor: attempt 1 was refused"), out[-3000:]
+    assert "attempt 2" not in out and "Traceback" not in out, out[-3000:]

@@ -13,6 +13,7 @@ Imports neither torch nor the training code: the supervisor only starts processe
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -21,7 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-# Where a rank that stops with one of pretrain's own errors says so, for the supervisor (`supervise`).
+# Where a rank that stops with one of pretrain's own errors leaves it, for the supervisor to print
+# (`refuse`, `supervise`): printed by a rank, it was lost whenever torchrun stopped that rank first.
 REFUSED_FILE = "PRETRAIN_REFUSED_FILE"
 
 # Where a rank learns that it was restarted: by this supervisor, torchrun, a requeued Slurm job.
@@ -31,6 +33,42 @@ RESTART_COUNTS = ("PRETRAIN_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM
 def restart_count() -> int:
     """How many times this run was restarted after a failure (0: its first start)."""
     return int(next((os.environ[v] for v in RESTART_COUNTS if os.environ.get(v, "").isdigit()), "0"))
+
+
+def refuse(path: str, *, rank: int, message: str, collective: bool) -> bool:
+    """For a rank under the supervisor: leave the error it stops with in `path` (one JSON line,
+    appended in one write), for the supervisor to print once every rank has stopped. False if it
+    could not be written: then the rank prints it itself."""
+    line = json.dumps({"rank": rank, "message": message, "collective": collective}) + "\n"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    return True
+
+
+def refusals(path: Path) -> list[str]:
+    """The errors the ranks left in `path`, each once, as a rank prints them: `error: ...` for one
+    every rank raised alike (collective) or rank 0's own, `error (rank R): ...` for rank R's own."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    said: list[str] = []
+    for line in text.splitlines():
+        try:
+            r = json.loads(line)
+            rank, message, collective = int(r["rank"]), str(r["message"]), bool(r["collective"])
+        except (ValueError, KeyError, TypeError):
+            continue  # cut short: its rank was killed while it wrote
+        error = f"error: {message}" if collective or rank == 0 else f"error (rank {rank}): {message}"
+        if error not in said:
+            said.append(error)
+    return said
 
 
 def _own_flags() -> argparse.ArgumentParser:
@@ -95,16 +133,19 @@ def supervise(train_args: list[str], *, script: Path, nproc_per_node: int, max_r
         env = {**os.environ, "PRETRAIN_RESTART_COUNT": str(attempt), REFUSED_FILE: str(refused)}
         child = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with(os.getpid()))
         rc = child.wait()
+        # What the ranks refused, printed here once every rank has stopped (a rank's own print could
+        # be cut off by torchrun stopping it when another refused first)
+        for error in refusals(refused):
+            print(error, file=sys.stderr, flush=True)
+        was_refused = refused.exists()
+        refused.unlink(missing_ok=True)
         if stop:
-            refused.unlink(missing_ok=True)
             return 128 + stop[0]  # the ranks saved and stopped, as asked
         if rc == 0:
-            refused.unlink(missing_ok=True)
             return 0
-        if refused.exists():
+        if was_refused:
             # A rank stopped with one of pretrain's own errors (a config, a run dir, a checkpoint, the
             # data): the next attempt would meet it again, or resume what it was refused to touch.
-            refused.unlink(missing_ok=True)
             print(
                 f"supervisor: attempt {attempt + 1} was refused (the error above); not restarting, since every "
                 "restart would meet it again",

@@ -129,30 +129,85 @@ def lost_rank(e: BaseException, rank: int, wait_s: float = 3.0) -> str | None:
 
 class StopOnSignal:
     """While installed, SIGTERM and SIGINT only ask the loop to stop: it finishes the step, saves a
-    checkpoint on every rank and returns. Repeats are ignored (a launcher often passes on the
-    signal its ranks already got), except a second SIGINT: Ctrl-C twice interrupts at once."""
+    checkpoint on every rank and returns. A repeat is the same request, since launchers pass on what
+    their ranks already got (DeepSpeed's launch.py follows a terminal's Ctrl-C with a SIGTERM to each
+    rank; the supervisor's torchrun passes on every signal it gets), except a SIGINT that arrives more
+    than SAME_REQUEST_S after the first: a person's second Ctrl-C, which interrupts at once.
+
+    What tells the two apart is when each signal arrived, not when its handler ran: Python runs a
+    handler between bytecodes of the main thread, which can sit in one C call (a backward, a
+    collective, a device sync) for seconds, and a launcher's repeat handled then looked like a second
+    Ctrl-C. A thread reads the numbers Python's C-level handler writes to a wakeup pipe the moment a
+    signal arrives, and times them."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SAME_REQUEST_S = 1.0  # a launcher passes a signal on within milliseconds; a person takes longer
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self._first_sigint: float | None = None  # when the first SIGINT arrived
+        self._interrupt = False  # a person's second Ctrl-C arrived: interrupt the main thread
+        self._done = False  # interrupted, or uninstalling: the handler only records from now on
+        self._wakeup: tuple[int, int] | None = None  # the pipe's write end, the previous wakeup fd
+        self._watcher: threading.Thread | None = None
 
     def install(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
+            read, write = os.pipe()
+            os.set_blocking(write, False)  # as set_wakeup_fd requires
+            self._wakeup = (write, signal.set_wakeup_fd(write, warn_on_full_buffer=False))
+            self._watcher = threading.Thread(target=self._watch, args=(read,), daemon=True)
+            self._watcher.start()
             for s in self.SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
         return self
 
+    def _watch(self, read: int) -> None:
+        """The wakeup pipe's reader: times each SIGINT's arrival, and on a person's second Ctrl-C
+        has the main thread's handler interrupt it."""
+        while data := os.read(read, 64):  # b"": uninstall closed the write end
+            now = time.monotonic()
+            for signum in data:
+                if signum != signal.SIGINT or self._interrupt:
+                    continue
+                if self._first_sigint is None:
+                    self._first_sigint = now
+                elif now - self._first_sigint > self.SAME_REQUEST_S:
+                    self._interrupt = True
+                    # to the main thread, as a signal: _handle, which now raises, runs at its next
+                    # instruction (a sleep or a wait there is cut short, if the signal finds it in one)
+                    signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+        os.close(read)
+
     def _handle(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+        if self._interrupt and not self._done:
+            self._done = True  # once: the watcher's own SIGINT may still be pending
             raise KeyboardInterrupt
         self.signum = self.signum or signum
 
     def uninstall(self) -> None:
+        self._done = True
+        if self._wakeup is not None:
+            write, previous_fd = self._wakeup
+            signal.set_wakeup_fd(previous_fd)
+            os.close(write)
+            if self._watcher is not None:
+                self._watcher.join(timeout=5)
+            self._wakeup = self._watcher = None
+        # signal.signal runs a pending handler first: ours, which now only records
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous.clear()
+
+    def settle(self) -> None:
+        """The stop asked for is saved and the process is on its way out: uninstall, and ignore
+        SIGTERM and SIGINT from now on, so that a repeat arriving late cannot kill the teardown or
+        report a stop "without saving" (DeepSpeed's launch.py sends rank k its SIGTERM only once rank
+        k-1 has exited). SIGKILL, and a launcher's after its grace period, still end it."""
+        self.uninstall()
+        for s in self.SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
 
 
 class Agreement:
@@ -277,7 +332,8 @@ class Sentinel:
     allowance; `tick` after every step re-arms the watchdog and fires the faults due after it.
 
     A context manager: on the way out, even through an error, it stops the watchdog and gives
-    SIGTERM and SIGINT back their previous handlers (a failed run stays killable)."""
+    SIGTERM and SIGINT back their previous handlers (a failed run stays killable); after a stop it
+    was asked for and that the loop saved, it leaves them ignored instead (`StopOnSignal.settle`)."""
 
     def __init__(self, cfg: RunConfig, dist: Dist, start_step: int) -> None:
         self.rank = dist.rank
@@ -292,7 +348,10 @@ class Sentinel:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._stop.uninstall()
+        if exc_type is None and self._stop.signum is not None:
+            self._stop.settle()
+        else:
+            self._stop.uninstall()
         self.watchdog.close()
 
     @property
