@@ -12,14 +12,17 @@
 #   WITH_MPICH  1 (default) adds the mpich extra: MPICH from PyPI for mpi4py; 0 on clusters with their
 #               own MPI.
 #   PRETRAIN_BUILD_OPS
-#               1 (default): with a CUDA torch, build DeepSpeed's FusedAdam and CPUAdam ops (the
+#               unset (default): with a CUDA torch, build DeepSpeed's FusedAdam and CPUAdam ops (the
 #               presets' optimizers) into DeepSpeed once, unless they are built already: DeepSpeed is
 #               reinstalled, same version, with its own switches (DS_BUILD_FUSED_ADAM=1
 #               DS_BUILD_CPU_ADAM=1 DS_ACCELERATOR=cuda pip install --no-build-isolation
 #               --no-cache-dir --force-reinstall --no-deps deepspeed==<installed>). It needs the CUDA
 #               toolkit (nvcc) matching torch's CUDA and takes several minutes; TORCH_CUDA_ARCH_LIST
 #               (e.g. "8.0;9.0") limits the GPU architectures it compiles for. Otherwise each rank
-#               JIT-compiles them on first use. 0 skips it. A CPU torch keeps the JIT builds.
+#               JIT-compiles them on first use, into the torch extensions directory, under a lock file
+#               that an interrupted build leaves behind. 1: the same with a CPU torch too
+#               (DS_ACCELERATOR=cpu: 4 min and 2 GB of compiler memory on 2 busy cores, where the JIT
+#               build of CPUAdam alone takes 1-2 min on first use). 0 skips it.
 #   PYTHON      interpreter for the venv (default python3).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -40,28 +43,40 @@ extras="${EXTRAS-dev}"
 
 # DeepSpeed's FusedAdam and CPUAdam, built into DeepSpeed once instead of JIT-compiled by every rank
 # of every run that starts on a clean cache. The check answers on a line of its own (DeepSpeed may
-# log to stdout): "ops: build VERSION", "ops: no-nvcc", or nothing for a CPU torch or ops built already.
-if [ "${PRETRAIN_BUILD_OPS:-1}" != "0" ]; then
-    todo=$("$py" - <<'PY' | sed -n 's/^ops: //p'
+# log to stdout): "ops: build ACCELERATOR VERSION", "ops: no-nvcc", "ops: no-c++", or nothing where
+# nothing is to be built (ops built already; a CPU torch without PRETRAIN_BUILD_OPS=1).
+if [ "${PRETRAIN_BUILD_OPS:-}" != "0" ]; then
+    todo=$(PRETRAIN_BUILD_OPS="${PRETRAIN_BUILD_OPS:-}" "$py" - <<'PY' | sed -n 's/^ops: //p'
 import os
+import shutil
 import torch
-if torch.version.cuda is not None:
-    os.environ["DS_ACCELERATOR"] = "cuda"  # what a CUDA run loads, even on a build node without GPUs
+accel = "cuda" if torch.version.cuda is not None else "cpu" if torch.version.hip is None else None
+if accel == "cuda" or (accel == "cpu" and os.environ["PRETRAIN_BUILD_OPS"] == "1"):
+    os.environ["DS_ACCELERATOR"] = accel  # what a run loads, even on a build node without GPUs
     from importlib.metadata import version
     from deepspeed.git_version_info import accelerator_name, installed_ops
     from torch.utils.cpp_extension import CUDA_HOME
-    if accelerator_name != "cuda" or not all(installed_ops.get(op) for op in ("fused_adam", "cpu_adam")):
-        print(f"ops: build {version('deepspeed')}" if CUDA_HOME else "ops: no-nvcc")
+    if accelerator_name != accel or not all(installed_ops.get(op) for op in ("fused_adam", "cpu_adam")):
+        if accel == "cuda" and not CUDA_HOME:
+            print("ops: no-nvcc")
+        elif shutil.which(os.environ.get("CXX", "c++")) is None:
+            print("ops: no-c++")
+        else:
+            print(f"ops: build {accel} {version('deepspeed')}")
 PY
 )
     case $todo in
     build\ *)
-        version=${todo#build }
-        echo "setup.sh: building DeepSpeed's FusedAdam and CPUAdam into deepspeed==$version" \
+        read -r _ accel version <<< "$todo"
+        echo "setup.sh: building DeepSpeed's FusedAdam and CPUAdam for $accel into deepspeed==$version" \
             "(several minutes; PRETRAIN_BUILD_OPS=0 skips)"
         "${pip[@]}" setuptools  # the build runs in the venv (no isolation), with its torch
-        DS_ACCELERATOR=cuda DS_BUILD_FUSED_ADAM=1 DS_BUILD_CPU_ADAM=1 "${pip[@]}" --no-build-isolation \
+        DS_ACCELERATOR=$accel DS_BUILD_FUSED_ADAM=1 DS_BUILD_CPU_ADAM=1 "${pip[@]}" --no-build-isolation \
             --no-cache-dir --force-reinstall --no-deps "deepspeed==$version"
+        ;;
+    no-c++)
+        echo "setup.sh: warning: no C++ compiler (${CXX:-c++}) to build DeepSpeed's FusedAdam and CPUAdam:" \
+            "install one (apt-get install g++) and rerun (PRETRAIN_BUILD_OPS=0 skips the build)" >&2
         ;;
     no-nvcc)
         echo "setup.sh: warning: torch has CUDA but no CUDA toolkit (nvcc, CUDA_HOME) is here to build" \

@@ -10,18 +10,17 @@
 #   MASTER_PORT  rendezvous port (default 29500)
 #   PYTHON       the venv's interpreter (default: .venv/bin/python of this checkout)
 # The config's `launch` section (NCCL_SOCKET_IFNAME, NCCL_DEBUG, ...) is exported to the ranks.
-# Before DeepSpeed starts, node 0 tries the master port if it is this machine's, and every other node
-# checks that the master's name resolves (pretrain launch-check).
+# Before DeepSpeed starts (pretrain launch-check): NODE_RANK is a line of the hostfile and that line
+# names this machine; node 0 runs rank 0, so the master (MASTER_ADDR) must be this machine too, and
+# its port free; every other node checks that the master's name resolves.
 set -euo pipefail
 # shellcheck source=common.sh
 . "$(dirname "$0")/common.sh" "$0" 2 "HOSTFILE NODE_RANK [pretrain train args...]" "$@"
 hostfile=$1
 node_rank=$2
 shift 2
-[[ $node_rank =~ ^[0-9]+$ ]] || die "NODE_RANK='$node_rank' is not a number"
-nodes=$("$python" -m pretrain hostfile "$hostfile" --count)
-[ "$node_rank" -lt "$nodes" ] || die "NODE_RANK $node_rank: $hostfile has $nodes hosts (0..$((nodes - 1)))"
-use_master "$hostfile"
+[[ $node_rank =~ ^[0-9]+$ ]] || die "NODE_RANK='$node_rank' is not a number (this host's line in $hostfile, from 0)"
+use_master "$hostfile"  # validates every line; launch-check below says whether NODE_RANK is this host's
 
 # DeepSpeed reads .deepspeed_env only when it launches over ssh; export the variables here.
 export_launch_env "$@"

@@ -22,6 +22,7 @@ from typing import Any
 
 from pretrain.cluster import probe
 from pretrain.cluster.launch import launch_environment
+from pretrain.cluster.ops import needed_ops
 from pretrain.cluster.reach import (
     LOCAL_HOSTS,
     deepspeed_ssh_check,
@@ -96,19 +97,6 @@ def over_ssh(host: str, opts: Options) -> bool:
     if host in launch_ssh_hosts(list(opts.hosts), opts.no_ssh, opts.no_ssh_check):
         return True
     return host not in LOCAL_HOSTS and host != socket.gethostname()
-
-
-def needed_ops(ds: dict[str, Any]) -> list[str]:
-    """DeepSpeed's C++ ops a rendered DeepSpeed config loads, as its engine picks the optimizer
-    (DeepSpeedEngine.get_optimizer_configuration): Adam/AdamW becomes torch.optim.AdamW with
-    "torch_adam", DeepSpeedCPUAdam (cpu_adam) when the optimizer is offloaded, FusedAdam otherwise,
-    on every accelerator (the CPU accelerator has its own FusedAdam build)."""
-    opt = ds.get("optimizer") or {}
-    adam = str(opt.get("type", "")).lower() in ("adam", "adamw")
-    if not adam or (opt.get("params") or {}).get("torch_adam"):
-        return []
-    offload = (ds.get("zero_optimization") or {}).get("offload_optimizer") or {}
-    return ["cpu_adam"] if offload.get("device") in ("cpu", "nvme") else ["fused_adam"]
 
 
 def run_probe(
@@ -287,8 +275,10 @@ def _check_ops(
         f"DS_ACCELERATOR={v['accelerator']} {OP_BUILD} {opts.python} -m pip install --no-build-isolation "
         f"--no-cache-dir --force-reinstall --no-deps deepspeed=={v['deepspeed']}"
     )
-    if v["cuda"] != "-":  # setup.sh builds the ops with a CUDA torch only
+    if v["cuda"] != "-":  # setup.sh builds the ops with a CUDA torch, and with a CPU one if asked to
         install = f"./setup.sh on {host} (PRETRAIN_BUILD_OPS=0 would skip the build), or {install}"
+    else:
+        install = f"PRETRAIN_BUILD_OPS=1 ./setup.sh on {host}, or {install}"
     if any(o["state"] == "missing" for o in ops.values()):
         row["ops"] += " FAIL"
     for name, o in ops.items():

@@ -335,11 +335,13 @@ LAUNCH_ENV_OF = {
 def test_fuzz_the_launch_scripts_environment(script, tmp_path):
     """Each launch script with each hostile value of the variables it reads: exit 2 with one message
     naming the problem, no traceback, no shell command run, nothing started."""
-    from tests.test_launch_check import FAKE_MPIRUN, FAKE_SSH, assert_nothing_started, run_script
+    from tests.test_launch_check import FAKE_MPIRUN, FAKE_SSH, HOSTS, assert_nothing_started, run_script
 
     cases = [
         (var, v) for var, values in {**LAUNCH_ENV, **LAUNCH_ENV_OF.get(script, {})}.items() for v in values
     ]
+    if script == "no_ssh.sh":  # a well-formed master that is not this machine, where node 0 runs rank 0
+        cases.append(("MASTER_ADDR", HOSTS[0]))
     for i, (var, value) in enumerate(cases):
         case = tmp_path / str(i)
         (case / "bin").mkdir(parents=True)

@@ -194,7 +194,76 @@ def test_no_ssh_other_nodes_check_the_master_name_not_its_port(fakes, tmp_path, 
     launch = Launch(
         str(hostfile), hosts, "no-ssh", master_addr="localhost", master_port=taken_port, node_rank=1
     )
-    assert check(launch) == ([], [])
+    assert check(launch) == ([], ["node rank 1 is this machine (127.0.0.1)", "the master localhost resolves"])
+
+
+# A node rank that is not this machine's line: DeepSpeed started the ranks here anyway, and they waited
+# on a master that never came, torch printing a `gai error` warning a second, with no word of ours.
+
+
+def test_no_ssh_on_a_host_that_is_not_its_node_ranks_line_is_one_line(fakes, tmp_path):
+    """Node rank 0 run on a machine that is not the hostfile's first host (nor the master): refused
+    in seconds, naming the host, this machine, and its own line where it has one."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"{HOSTS[0]} slots=8\n{HOSTS[1]} slots=8\n")
+    t0 = time.monotonic()
+    out = run_script("no_ssh.sh", hostfile, fakes, tmp_path, NODE_RANK="0")
+    assert out.returncode == 2 and time.monotonic() - t0 < 30, out.stdout + out.stderr
+    me = socket.gethostname()
+    assert out.stderr == (
+        f"launch/no_ssh.sh: node rank 0 of {hostfile} (0: {HOSTS[0]}, 1: {HOSTS[1]}) is {HOSTS[0]}, not this "
+        f"machine ({me}): run it on {HOSTS[0]}; to run here, add this machine to {hostfile} (or fix the name "
+        "there) and use its line, from 0\n"
+    )
+    assert_nothing_started(out, fakes)
+    assert not fakes["ssh_log"].exists()
+
+    # This machine on another line: that line is the fix.
+    hostfile.write_text(f"{HOSTS[0]} slots=1\nlocalhost slots=1\n")
+    out = run_script("no_ssh.sh", hostfile, fakes, tmp_path, NODE_RANK="0")
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.endswith("this machine is node rank 1 there (localhost): use that\n"), out.stderr
+    assert_nothing_started(out, fakes)
+
+
+def test_no_ssh_node_0_with_a_master_elsewhere_is_one_line(fakes, tmp_path):
+    """Node 0 runs rank 0, whose rendezvous store listens here: a MASTER_ADDR of another machine would
+    send every rank to a store that is not there."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n")
+    out = run_script("no_ssh.sh", hostfile, fakes, tmp_path, NODE_RANK="0", MASTER_ADDR=HOSTS[2])
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert (
+        out.stderr.startswith(
+            f"launch/no_ssh.sh: node 0 runs rank 0, which listens for the rendezvous on this machine "
+            f"({socket.gethostname()}), but MASTER_ADDR={HOSTS[2]} is not this machine: set MASTER_ADDR to "
+        )
+        and len(out.stderr.splitlines()) == 1
+    ), out.stderr
+    assert_nothing_started(out, fakes)
+
+
+def test_launch_check_names_the_hosts_of_a_node_rank_beyond_the_hostfile(tmp_path):
+    """`launch-check H --launcher no-ssh --node-rank 5` on a one-host hostfile: one line naming the
+    hosts and this machine's rank (it passed in silence, exit 0); --node-rank without no-ssh is refused."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    cmd = [sys.executable, "-m", "pretrain", "launch-check", str(hostfile), "--master-port", "29500"]
+    out = subprocess.run(
+        [*cmd, "--launcher", "no-ssh", "--node-rank", "5"], cwd=ROOT, env=subprocess_env(), capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+    assert out.stderr == (
+        f"launch-check: node rank 5 is beyond {hostfile}, which has 1 host(s) (0: localhost); this machine "
+        "is node rank 0 there (localhost): use that\n"
+    )
+    out = subprocess.run(
+        [*cmd, "--node-rank", "1"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2 and out.stderr.startswith(
+        "launch-check: --node-rank 1 is for --launcher no-ssh"
+    )
 
 
 # ---------------------------------------------------------------------------------------------

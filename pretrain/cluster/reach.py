@@ -1,7 +1,8 @@
-"""Before a launch: does every host the launcher will ssh to answer, and can rank 0 listen on the
-master port? `pretrain launch-check` (which launch/*.sh run before DeepSpeed, mpirun or srun start)
-asks it here, and `pretrain preflight` reaches its hosts with the same ssh. Standard library only:
-the scripts call it before every launch, and it must answer at once.
+"""Before a launch: does every host the launcher will ssh to answer, can rank 0 listen on the master
+port, and, launched host by host without ssh, is this machine the node it is told it is?
+`pretrain launch-check` (which launch/*.sh run before DeepSpeed, mpirun or srun start) asks it here,
+and `pretrain preflight` reaches its hosts with the same ssh. Standard library only: the scripts
+call it before every launch, and it must answer at once.
 
 ssh is DeepSpeed's (deepspeed/launcher/runner.py): `ssh -o PasswordAuthentication=no [-p PORT] HOST
 hostname`, with BatchMode and a connect timeout added so that no prompt or dead host can hang it.
@@ -202,7 +203,7 @@ class Launch:
     ssh_port: int | None = None
     include: str = ""
     exclude: str = ""
-    node_rank: int = 0  # launcher no-ssh: this host's line in the hostfile
+    node_rank: int = 0  # launcher no-ssh: this host's line in the hostfile, from 0
 
 
 def ssh_targets(launch: Launch, active: list[str]) -> list[str]:
@@ -236,6 +237,11 @@ def check(launch: Launch) -> tuple[list[str], list[str]]:
     if targets and not problems:
         notes.append(f"{len(targets)} host(s) reachable over ssh")
 
+    if launch.launcher == "no-ssh":
+        problems += _no_ssh_node(launch)
+        if problems:
+            return problems, notes
+        notes.append(f"node rank {launch.node_rank} is this machine ({list(launch.hosts)[launch.node_rank]})")
     master = launch.master_addr or active[0]
     port = launch.master_port
     if launch.launcher == "no-ssh" and launch.node_rank > 0:
@@ -248,6 +254,8 @@ def check(launch: Launch) -> tuple[list[str], list[str]]:
                 f"on this host ({e}): fix the name in {launch.hostfile}, or set MASTER_ADDR to the address "
                 "this host reaches node 0 at"
             )
+        else:
+            notes.append(f"the master {master} resolves")
     elif is_this_machine(master):
         taken = check_port(port)
         if not taken["free"]:
@@ -259,6 +267,38 @@ def check(launch: Launch) -> tuple[list[str], list[str]]:
         else:
             notes.append(f"port {port} free on {master}")
     return problems, notes
+
+
+def _no_ssh_node(launch: Launch) -> list[str]:
+    """`deepspeed --no_ssh --node_rank K` here: K is a line of the hostfile, that line names this
+    machine, and on node 0, which runs rank 0 and its rendezvous store, so does the master address.
+    Otherwise the ranks start and wait on a rendezvous that never forms (torch's `gai error`s or a
+    silent hang)."""
+    hosts, rank, hostfile, me = list(launch.hosts), launch.node_rank, launch.hostfile, socket.gethostname()
+    listed = ", ".join(f"{i}: {h}" for i, h in enumerate(hosts[:8])) + (", ..." if len(hosts) > 8 else "")
+
+    def here() -> str:
+        # This machine's own line, if any, from the names alone (no query leaves the machine).
+        mine = [i for i, h in enumerate(hosts) if i != rank and is_this_machine(h)]
+        if mine:
+            return f"this machine is node rank {mine[0]} there ({hosts[mine[0]]}): use that"
+        return f"to run here, add this machine to {hostfile} (or fix the name there) and use its line, from 0"
+
+    if rank >= len(hosts):
+        return [f"node rank {rank} is beyond {hostfile}, which has {len(hosts)} host(s) ({listed}); {here()}"]
+    host = hosts[rank]
+    if not is_this_machine(host, resolve=True):
+        return [
+            f"node rank {rank} of {hostfile} ({listed}) is {host}, not this machine ({me}): run it on {host}; "
+            f"{here()}"
+        ]
+    if rank == 0 and launch.master_addr and not is_this_machine(launch.master_addr, resolve=True):
+        return [
+            f"node 0 runs rank 0, which listens for the rendezvous on this machine ({me}), but MASTER_ADDR="
+            f"{launch.master_addr} is not this machine: set MASTER_ADDR to this machine's address as the "
+            f"other hosts reach it (unset, it is {host}), or run node 0 on {launch.master_addr}"
+        ]
+    return []
 
 
 def _unreachable(launch: Launch, active: list[str], host: str, res: subprocess.CompletedProcess[str]) -> str:

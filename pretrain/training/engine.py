@@ -15,6 +15,7 @@ import torch
 
 from pretrain.cluster.hardware import set_tf32
 from pretrain.cluster.launch import launcher
+from pretrain.cluster.ops import wait_for_op_builds
 from pretrain.cluster.reach import free_port, who_holds
 from pretrain.config.tree import RunConfig
 from pretrain.errors import ConfigError, LaunchError, require
@@ -363,6 +364,7 @@ def initialize(cfg: RunConfig, model: Any, ds_config: dict[str, Any]) -> Any:
         # The pipeline engine takes its groups from the stage's topology; AutoTP's config path
         # would build a data x tensor mesh of its own over them.
         ds_config = {k: v for k, v in ds_config.items() if k != "tensor_parallel"}
+    wait_for_op_builds(ds_config)  # torch's own wait on a JIT build's lock is silent, and endless if stale
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, cfg.optimizer.weight_decay),
