@@ -6,20 +6,22 @@ used is one clear error."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from pretrain.config.tree import InitFromConfig, RunConfig, validate
-from pretrain.data.tokenizer import CharTokenizer, TiktokenTokenizer
+from pretrain.data.dataset import MANIFEST, TOKENIZER_FILE
+from pretrain.data.tokenizer import CharTokenizer, TiktokenTokenizer, load_tokenizer
 from pretrain.errors import CheckpointError, ConfigError
-from pretrain.export import write_hf
+from pretrain.export import hf_tokenizer, write_hf
 from pretrain.training import init_from
 from pretrain.training.model import GPT
-from tests.conftest import GPT2_RANKS
+from tests.conftest import CORPUS, GPT2_RANKS, cli
 
 transformers = pytest.importorskip("transformers", reason="transformers is a dev extra")
 
@@ -87,8 +89,11 @@ def hf_logits(hf: Any) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.Tensor]]:
-    """Each class saved by transformers, with its logits on IDS; the llama one also sharded."""
+def hf_dirs(
+    tmp_path_factory: pytest.TempPathFactory, char_dataset: Path
+) -> dict[str, tuple[Path, torch.Tensor]]:
+    """Each class saved by transformers, with its logits on IDS; the llama one also sharded. Each is a
+    model of the char data's tokenizer: its tokenizer.json beside the weights (VOCAB is not 65)."""
     root = tmp_path_factory.mktemp("hf")
     dirs = {}
     for kind in HF_MODELS:
@@ -96,6 +101,9 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, t
         dirs[kind] = (root / kind, hf_logits(hf))
     hf.save_pretrained(root / "llama-sharded", max_shard_size="20KB")
     dirs["llama-sharded"] = (root / "llama-sharded", dirs["llama"][1])
+    tokenizer = hf_tokenizer(load_tokenizer(char_dataset / TOKENIZER_FILE, None)).to_str()
+    for where, _ in dirs.values():
+        (where / "tokenizer.json").write_text(tokenizer)
     return dirs
 
 
@@ -245,6 +253,204 @@ def test_what_cannot_be_used_is_one_clear_error(hf_dirs, tmp_path):
     (truncated / "model.safetensors").unlink()
     (truncated / "pytorch_model.bin").write_bytes(b"pickle")
     assert "pytorch_model.bin is a pickle, which is never read" in said(truncated)
+
+
+def run_tokenizer(data: Path) -> tuple[Any, str]:
+    """The char data's tokenizer and its fingerprint, as setup reads them."""
+    manifest = json.loads((data / MANIFEST).read_text())
+    return load_tokenizer(data / TOKENIZER_FILE, None), manifest["tokenizer"]["fingerprint"]
+
+
+def test_a_vocabulary_of_another_size_and_no_tokenizer_json_is_refused(char_dataset, tmp_path):
+    """GPT-2's 50257 tokens saved by save_pretrained (no tokenizer.json), on the char data: its ids
+    0..64 would be GPT-2's. Refused in one line naming both vocabularies and the fix; with its own
+    tokenizer.json beside the weights, that is what is checked; a vocabulary of the same size passes."""
+    tok, fingerprint = run_tokenizer(char_dataset)
+    shape = {"n_layer": 1, "n_head": 2, "n_embd": 8, "n_positions": 16}
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(**shape)).save_pretrained(tmp_path / "gpt2")
+
+    def run(where: Path) -> RunConfig:
+        spec = {"path": str(where), "config": True}
+        cfg = RunConfig.model_validate({"data": {"tokenizer": "char"}, "model": {"init_from": spec}})
+        return init_from.open_checked(cfg, tok, fingerprint)[0]
+
+    with pytest.raises(CheckpointError) as e:
+        run(tmp_path / "gpt2")
+    said = str(e.value)
+    print(said)
+    assert "\n" not in said and "its vocabulary has 50257 tokens, the run's char tokenizer 65" in said
+    assert "ids 0..64 would be fed to it as its own" in said and "put the model's tokenizer.json" in said
+    (tmp_path / "gpt2" / "tokenizer.json").write_text(hf_tokenizer(tok).to_str())
+    assert run(tmp_path / "gpt2").model.vocab_size == 50257
+    config = transformers.GPT2Config(vocab_size=tok.vocab_size, **shape)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "same")
+    assert run(tmp_path / "same").model.vocab_size == 65
+
+
+def test_the_weight_files_are_the_directorys_own_and_one_set(hf_dirs, tmp_path):
+    """An index entry that leaves the directory (to a sound safetensors file) is refused by name,
+    never opened; an index beside a model.safetensors of other weights is refused, naming both; a
+    link that loops or leads nowhere is named as such."""
+
+    def said(path: Path) -> str:
+        with pytest.raises(CheckpointError) as e:
+            init_from.open_source(InitFromConfig(path=str(path)))
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    sharded, whole = hf_dirs["llama-sharded"][0], hf_dirs["llama"][0] / init_from.WEIGHTS
+    (tmp_path / "outside").mkdir()
+    shutil.copy(whole, tmp_path / "outside" / init_from.WEIGHTS)  # holds every tensor: it would load
+    escape = tmp_path / "models" / "escape"
+    shutil.copytree(sharded, escape)
+    index = json.loads((escape / init_from.INDEX).read_text())
+    name = next(iter(index["weight_map"]))
+    for entry in ("../../outside/model.safetensors", str(tmp_path / "outside" / init_from.WEIGHTS)):
+        index["weight_map"][name] = entry
+        (escape / init_from.INDEX).write_text(json.dumps(index))
+        assert f"maps {name} to {entry!r}, outside the directory" in said(escape)
+    both = tmp_path / "both"
+    shutil.copytree(sharded, both)
+    save_hf_model(tmp_path / "other", "llama", seed=1)
+    shutil.copy(tmp_path / "other" / init_from.WEIGHTS, both)
+    message = said(both)
+    assert "holds both model.safetensors and model.safetensors.index.json (which names 6 other" in message
+    assert "model-00001-of-00006.safetensors" in message and "remove the one that is not" in message
+    loop = tmp_path / "loop"
+    loop.mkdir()
+    shutil.copy(sharded / "config.json", loop)
+    (loop / init_from.WEIGHTS).symlink_to(init_from.WEIGHTS)
+    assert "model.safetensors is a symbolic link that loops (model.safetensors -> model.safetensors)" in said(
+        loop
+    )
+    (loop / init_from.WEIGHTS).unlink()
+    (loop / init_from.WEIGHTS).symlink_to("gone.safetensors")
+    assert "model.safetensors is a symbolic link to gone.safetensors, which is not there" in said(loop)
+    (loop / "config.json").unlink()
+    (loop / "config.json").symlink_to("config.json")
+    assert "config.json is a symbolic link that loops (config.json -> config.json)" in said(loop)
+    (tmp_path / "dir-loop").symlink_to("dir-loop")
+    assert "dir-loop is a symbolic link that loops (dir-loop -> dir-loop)" in said(tmp_path / "dir-loop")
+    cycle = tmp_path / "cycle"
+    shutil.copytree(sharded, cycle)
+    first, second = (cycle / f"model-0000{i}-of-00006.safetensors" for i in (1, 2))
+    first.unlink()
+    second.unlink()
+    first.symlink_to(second.name)
+    second.symlink_to(first.name)
+    assert (
+        f"names {first.name}, and {first.name} is a symbolic link that loops ({first.name} -> {second.name} "
+        f"-> {first.name})" in said(cycle)
+    )
+
+
+def test_a_nan_or_inf_in_the_weights_is_named_when_they_are_read(hf_dirs, tmp_path):
+    """A NaN (or inf) in a tensor is found as it is read, named with its file; a tensor-parallel rank
+    reads only its slices, so the rank that finds it may be the only one: setup gathers every rank's
+    finding before DeepSpeed starts (tested on 2 ranks below)."""
+    where = tmp_path / "nan"
+    shutil.copytree(hf_dirs["llama"][0], where)
+    weights = load_file(str(where / init_from.WEIGHTS))
+    weights["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    weights["model.layers.0.mlp.down_proj.weight"][0, 40] = float("inf")  # column 40: tensor rank 1's
+    save_file(weights, str(where / init_from.WEIGHTS), metadata={"format": "pt"})
+    source = init_from.open_source(InitFromConfig(path=str(where), config=True))
+    m = init_from.apply_config(RunConfig(), source).model
+    with pytest.raises(CheckpointError) as e:
+        init_from.state_dict(source, m)
+    assert str(e.value) == (
+        f"model.init_from {where}: model.safetensors holds inf in model.layers.0.mlp.down_proj.weight: weights "
+        "that train to a non-finite loss. Save the model again from sound weights, or init_from another model"
+    )
+    weights["model.layers.0.mlp.down_proj.weight"][0, 40] = 0.0
+    weights["model.layers.1.mlp.up_proj.weight"][3, 5] = float("inf")
+    weights["model.layers.1.mlp.up_proj.weight"][4, 5] = float("nan")
+    save_file(weights, str(where / init_from.WEIGHTS), metadata={"format": "pt"})
+    source = init_from.open_source(InitFromConfig(path=str(where), config=True))
+    with pytest.raises(CheckpointError, match=r"holds NaN and inf in model\.layers\.1\.mlp\.up_proj\.weight"):
+        init_from.state_dict(source, m)
+    weights["model.layers.1.mlp.up_proj.weight"][3:5, 5] = 0.0
+    weights["model.layers.0.mlp.down_proj.weight"][0, 40] = float("inf")
+    save_file(weights, str(where / init_from.WEIGHTS), metadata={"format": "pt"})
+    found = []
+    for rank in range(2):
+        source = init_from.open_source(InitFromConfig(path=str(where), config=True))
+        params = {k: torch.empty_like(v) for k, v in GPT(m).state_dict().items()}
+        init_from.load_shares(params, source, m, (2, rank))
+        found.append(source.non_finite)
+    assert found[0] is None and "holds inf in model.layers.0.mlp.down_proj.weight" in str(found[1])
+
+
+# A short run of the tiny preset on the char data, from init_from (`train_args`).
+RUN = ["batch.micro_batch_size=2", "schedule.warmup_steps=1", "logging.log_interval=1",
+       "logging.eval_interval=100", "logging.eval_batches=1", "logging.sample_tokens=0",
+       "checkpoint.interval=2"]  # fmt: skip
+
+
+def train_args(data: Path, where: Path, run_dir: Path, *sets: str) -> list[str]:
+    return ["train", "--preset", "tiny", CORPUS, f"--set=data.dataset_dir={data}",
+            f"--set=model.init_from.path={where}", f"--set=logging.run_dir={run_dir}",
+            *(f"--set={s}" for s in [*RUN, *sets])]  # fmt: skip
+
+
+def test_a_resume_does_not_need_the_init_from_directory(hf_dirs, char_dataset, tmp_path):
+    """A run started from init_from resumes once the directory is gone (a resume takes the
+    checkpoint's weights); without a checkpoint to resume, it starts from init_from, and one line
+    says the directory is gone."""
+    where = tmp_path / "gpt2"
+    shutil.copytree(hf_dirs["gpt2"][0], where)
+    model = [
+        "n_layer=2",
+        "n_head=2",
+        "n_embd=32",
+        "block_size=32",
+        f"vocab_size={VOCAB}",
+        "activation=gelu_tanh",
+    ]
+    sets = [f"model.{s}" for s in model]
+    first = cli(*train_args(char_dataset, where, tmp_path / "run", *sets, "schedule.max_steps=2"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.rmtree(where)
+    again = cli(*train_args(char_dataset, where, tmp_path / "run", *sets, "schedule.max_steps=3"), "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    out = again.stdout + again.stderr
+    assert f"model.init_from {where}: not loaded, the checkpoint's weights win on a resume" in out
+    assert "step      3/3" in out
+    fresh = cli(*train_args(char_dataset, where, tmp_path / "fresh", *sets), "--resume", "auto")
+    assert fresh.returncode == 2 and "Traceback" not in fresh.stderr, fresh.stderr[-3000:]
+    assert f"error: model.init_from {where}: no such directory" in fresh.stderr
+    # with the shape taken from config.json (init_from.config): the run's recorded shape stands in for it
+    shutil.copytree(hf_dirs["gpt2"][0], where)
+    shaped = ["model.init_from.config=true"]
+    first = cli(*train_args(char_dataset, where, tmp_path / "shaped", *shaped, "schedule.max_steps=2"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.rmtree(where)
+    again = cli(
+        *train_args(char_dataset, where, tmp_path / "shaped", *shaped, "schedule.max_steps=3"), "--resume"
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "step      3/3" in again.stdout + again.stderr
+
+
+@pytest.mark.distributed
+def test_an_inf_only_one_tensor_rank_reads_stops_every_rank_at_start(hf_dirs, char_dataset, tmp_path):
+    """2 ranks under tensor parallelism: only rank 1 reads the inf (its columns of a row-parallel
+    weight); both stop before DeepSpeed starts, with one line naming the file and the tensor (it was
+    step 1's "non-finite loss", naming neither)."""
+    where = tmp_path / "inf"
+    shutil.copytree(hf_dirs["llama"][0], where)
+    weights = load_file(str(where / init_from.WEIGHTS))
+    weights["model.layers.0.mlp.down_proj.weight"][0, 40] = float("inf")
+    save_file(weights, str(where / init_from.WEIGHTS), metadata={"format": "pt"})
+    sets = ["model.init_from.config=true", "zero.stage=1", "parallel.tensor=2", "schedule.max_steps=2"]
+    done = cli(*train_args(char_dataset, where, tmp_path / "run", *sets), "--nproc-per-node", "2")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    line = (
+        f"error: model.init_from {where}: model.safetensors holds inf in model.layers.0.mlp.down_proj.weight: "
+        "weights that train to a non-finite loss. Save the model again from sound weights, or init_from "
+        "another model\n"
+    )
+    assert done.stderr.count(line) == 1 and "non-finite loss 1 steps" not in done.stdout + done.stderr
 
 
 def test_an_exports_tokenizer_must_be_the_runs(tmp_path):

@@ -5,6 +5,7 @@ with the shape the run will have (`init_from.config`) by the light commands too;
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -33,10 +34,34 @@ def fail(where: Path, problem: str) -> CheckpointError:
     return CheckpointError(f"model.init_from {where}: {problem}")
 
 
+def link_problem(path: Path) -> str | None:
+    """Why `path` leads to nothing where it is a symbolic link that loops (named link by link) or whose
+    target is not there; None for anything else (a file, a directory, nothing at all)."""
+    try:
+        if not path.is_symlink():
+            return None
+        path.stat()
+        return None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            return f"{path.name} is a symbolic link to {os.readlink(path)}, which is not there"
+    chain, at, seen = [path.name], path, set()
+    while at.is_symlink() and at not in seen and len(chain) <= 8:
+        seen.add(at)
+        target = os.readlink(at)
+        chain.append(target)
+        at = Path(os.path.normpath(at.parent / target))
+    return f"{path.name} is a symbolic link that loops ({' -> '.join(chain)})"
+
+
 def read_config(path: str) -> tuple[Path, str, dict[str, Any]]:
     """The directory (an export's hf/ for an export directory), the class its config.json names,
     and the ModelConfig fields it describes. One CheckpointError for what cannot be used."""
     where = Path(os.path.expanduser(path))
+    if why := link_problem(where):
+        raise fail(where, f"{why}: point it at the model's directory")
+    if why := link_problem(where / "config.json"):
+        raise fail(where, f"{why}: point it at the model's config.json, or put the file there")
     if not where.is_dir():
         raise fail(
             where, "no such directory (a Hugging Face model directory: config.json + model.safetensors)"

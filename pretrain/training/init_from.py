@@ -24,16 +24,17 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from pretrain.config.hf import INDEX, SHAPE_FIELDS, read_config
+from pretrain.config.hf import INDEX, SHAPE_FIELDS, link_problem, read_config
 from pretrain.config.hf import eps_of as _eps
 from pretrain.config.hf import fail as _fail
 from pretrain.config.tree import InitFromConfig, ModelConfig, RunConfig, required_vocab_size
+from pretrain.data.dataset import resolve_vocab
 from pretrain.errors import CheckpointError
 from pretrain.training.model import GPT
 
@@ -52,6 +53,9 @@ class Source:
     files: dict[str, Path]  # each tensor's file
     shapes: dict[str, tuple[int, ...]]
     export_info: dict[str, Any] | None  # pretrain.json, where the directory is an export's hf/
+    # The first tensor read that holds a NaN or an inf: noted by the rank that read it, said by every
+    # rank once the model is built (setup), as ranks read different tensors and none may stop alone.
+    non_finite: str | None = None
 
     def error(self, problem: str) -> CheckpointError:
         return CheckpointError(f"model.init_from {self.dir}: {problem}")
@@ -82,13 +86,24 @@ def open_source(spec: InitFromConfig) -> Source:
 
 
 def _weight_files(where: Path) -> dict[str, Path]:
-    """Each tensor's file: model.safetensors, or the shards model.safetensors.index.json maps."""
+    """Each tensor's file: model.safetensors, or the shards model.safetensors.index.json maps (files
+    of the directory; both there is refused, as is a link that loops or leads nowhere)."""
+    for name, what in ((INDEX, "index"), (WEIGHTS, "weights")):
+        if why := link_problem(where / name):
+            raise _fail(where, f"{why}: point it at the model's {what} file, or put the file there")
     if (where / INDEX).is_file():
-        try:
-            weight_map = json.loads((where / INDEX).read_text(encoding="utf-8"))["weight_map"]
-            files = {str(k): where / str(v) for k, v in weight_map.items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise _fail(where, f"{INDEX} is not a readable index (no weight_map: {e})") from e
+        files = _shards(where)
+        others = sorted({p.name for p in files.values()} - {WEIGHTS})
+        if (where / WEIGHTS).is_file() and others:
+            raise _fail(
+                where,
+                f"holds both {WEIGHTS} and {INDEX} (which names {len(others)} other shards: "
+                f"{', '.join(others[:2])}{', ...' if len(others) > 2 else ''}), two sets of weights: remove "
+                "the one that is not the model's (save_pretrained writes one or the other)",
+            )
+        for path in sorted(set(files.values())):
+            if why := link_problem(path):
+                raise _fail(where, f"{INDEX} names {path.name}, and {why}: point it at the shard")
         absent = sorted({p.name for p in files.values() if not p.is_file()})
         if absent:
             raise _fail(where, f"{INDEX} names shards that are not there: {', '.join(absent[:3])}")
@@ -105,6 +120,29 @@ def _weight_files(where: Path) -> dict[str, Path]:
 
     with _opened(where / WEIGHTS, where) as f:
         return dict.fromkeys(f.keys(), where / WEIGHTS)
+
+
+def _shards(where: Path) -> dict[str, Path]:
+    """The index's weight_map: each tensor's shard, a file of the directory. An entry that would
+    leave it (an absolute path, a `..`) is refused by name, never opened."""
+    try:
+        weight_map = json.loads((where / INDEX).read_text(encoding="utf-8"))["weight_map"]
+        entries = [(str(k), v) for k, v in weight_map.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _fail(where, f"{INDEX} is not a readable index (no weight_map: {e})") from e
+    files = {}
+    for name, shard in entries:
+        if not isinstance(shard, str) or not shard.strip():
+            raise _fail(where, f"{INDEX} maps {name} to {shard!r}, not a file name: save the model again")
+        rel = PurePosixPath(shard)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise _fail(
+                where,
+                f"{INDEX} maps {name} to {shard!r}, outside the directory: a shard is a file of the model's "
+                "directory, named from it (no absolute path, no '..'); fix the index or save the model again",
+            )
+        files[name] = where / rel
+    return files
 
 
 @contextmanager
@@ -136,10 +174,25 @@ def apply_config(cfg: RunConfig, source: Source) -> RunConfig:
     return cfg.model_copy(update={"model": model})
 
 
+def open_checked(cfg: RunConfig, tokenizer: Any, fingerprint: str) -> tuple[RunConfig, Source]:
+    """`cfg.model.init_from` read as far as its headers and checked against the run: `cfg` with the
+    model's shape from config.json (where `config` is true) and its vocabulary resolved, and the
+    directory, whose tokenizer (`check_tokenizer`) and tensors (`check`) are the run's."""
+    assert cfg.model.init_from is not None
+    source = open_source(cfg.model.init_from)
+    if cfg.model.init_from.config:
+        cfg = apply_config(cfg, source)
+    check_tokenizer(source, tokenizer, fingerprint, cfg.data.tokenizer)
+    cfg = resolve_vocab(cfg, tokenizer.vocab_size)
+    check(source, cfg.model)
+    return cfg, source
+
+
 def check_tokenizer(source: Source, tokenizer: Any, fingerprint: str, kind: str) -> None:
     """The weights were trained with the run's tokenizer (of `fingerprint`, a `kind` tokenizer): an
     export's pretrain.json names its tokenizer, which must be the run's; any directory's
-    vocabulary must hold the tokenizer's ids."""
+    vocabulary must hold the tokenizer's ids, and one of another size must have a tokenizer.json
+    that gives the run's ids (a vocabulary of another size, unnamed, is another tokenizer's)."""
     info = source.export_info
     if info is not None and info.get("tokenizer_fingerprint") not in (None, fingerprint):
         theirs = (info.get("config") or {}).get("data", {}).get("tokenizer", "another")
@@ -157,6 +210,13 @@ def check_tokenizer(source: Source, tokenizer: Any, fingerprint: str, kind: str)
         )
     if info is None and (source.dir / "tokenizer.json").is_file():
         _same_ids(source, tokenizer, kind)
+    elif info is None and vocab != tokenizer.vocab_size:
+        raise source.error(
+            f"its vocabulary has {vocab} tokens, the run's {kind} tokenizer {tokenizer.vocab_size}, and it has "
+            f"no tokenizer.json to say its ids are this tokenizer's: ids 0..{tokenizer.vocab_size - 1} would be "
+            "fed to it as its own tokens. Prepare the data with the model's tokenizer, or put the model's "
+            "tokenizer.json beside its weights (its ids are then checked against the run's)"
+        )
 
 
 # Text both tokenizers encode, where the directory's own tokenizer.json can be read: words, digits,
@@ -446,7 +506,26 @@ def _read(source: Source, name: str, stack: ExitStack, handles: dict[Path, Any])
     path = source.files[name]
     if path not in handles:
         handles[path] = stack.enter_context(_opened(path, source.dir))
-    return handles[path].get_tensor(name)
+    return _finite(source, name, handles[path].get_tensor(name))
+
+
+def _finite(source: Source, name: str, x: Tensor) -> Tensor:
+    """`x`, what was read of tensor `name`; the first one that holds a NaN or an inf is noted in
+    `source.non_finite` (said by `finite_or_error` once every rank has read its part)."""
+    if source.non_finite is None and x.is_floating_point() and not bool(torch.isfinite(x).all()):
+        what = " and ".join(w for w, bad in (("NaN", x.isnan()), ("inf", x.isinf())) if bool(bad.any()))
+        source.non_finite = (
+            f"{source.files[name].name} holds {what} in {name}: weights that train to a non-finite loss. "
+            "Save the model again from sound weights, or init_from another model"
+        )
+    return x
+
+
+def finite_or_error(source: Source, noted: list[str | None]) -> None:
+    """One CheckpointError where a rank noted a non-finite tensor (`noted`: every rank's
+    `source.non_finite`, so that all stop alike); nothing where none did."""
+    if said := next((n for n in noted if n), None):
+        raise source.error(said)
 
 
 def _check_left_out(source: Source, m: ModelConfig, stack: ExitStack, handles: dict[Path, Any]) -> None:
@@ -494,7 +573,9 @@ def parameters(source: Source, m: ModelConfig) -> Iterator[tuple[str, Callable[[
 def state_dict(source: Source, m: ModelConfig) -> dict[str, Tensor]:
     """The whole state dict of a GPT of config `m` from the directory, checked first (`check`)."""
     check(source, m)
-    return {k: load() for k, load in parameters(source, m)}
+    sd = {k: load() for k, load in parameters(source, m)}
+    finite_or_error(source, [source.non_finite])
+    return sd
 
 
 @torch.no_grad()
@@ -573,7 +654,7 @@ def load_shares(
             path = source.files[name]
             if path not in handles:
                 handles[path] = stack.enter_context(_opened(path, source.dir))
-            return handles[path].get_slice(name)[index]
+            return _finite(source, name, handles[path].get_slice(name)[index])
 
         for k, p in params.items():
             hf, layout = names[k]
