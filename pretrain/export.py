@@ -3,10 +3,11 @@ directory that transformers (and the tools built on it) load as is, and loading 
 `GPT` for sampling.
 
 An export directory holds `model.safetensors` (our parameter names; a tied lm_head is stored
-once, as wte), `pretrain.json` (the model config and where the weights came from) and our
-tokenizer as `pretrain_tokenizer.json` (not `tokenizer.json`, Hugging Face's name for its own
-format). `hf/` holds `config.json`, `model.safetensors`, a `tokenizers` `tokenizer.json` that
-encodes and decodes as ours, `tokenizer_config.json` and `generation_config.json`, for:
+once, as wte), `pretrain.json` (the model config, where the weights came from, and the size and
+sha256 of every other file, which `pretrain sample` checks) and our tokenizer as
+`pretrain_tokenizer.json` (not `tokenizer.json`, Hugging Face's name for its own format). `hf/`
+holds `config.json`, `model.safetensors`, a `tokenizers` `tokenizer.json` that encodes and decodes
+as ours, `tokenizer_config.json` and `generation_config.json`, for:
 
 - arch gpt2, learned positions: `GPT2LMHeadModel`;
 - arch gpt2, rotary positions: `GPTNeoXForCausalLM` (`use_parallel_residual` and `rotary_pct` as
@@ -26,6 +27,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -56,7 +58,7 @@ from pretrain.files import (
     default_mode,
     make_dir,
     replace_dir,
-    temp_name,
+    staging_dir,
     write_atomic,
 )
 from pretrain.training import checkpoint
@@ -460,8 +462,9 @@ def hf_tokenizer_config(tok: Tokenizer, m: ModelConfig) -> dict[str, Any]:
 
 
 def hf_generation_config(tok: Tokenizer, m: ModelConfig) -> dict[str, Any]:
-    """generation_config.json: `pretrain sample`'s defaults (temperature 0.8, top-k 200), up to
-    the context length; end-of-text ends a sample and pads a batch. Ids past our tokenizer's
+    """generation_config.json: `pretrain sample`'s defaults (temperature 0.8, top-k 200, 200 new
+    tokens: no `max_length`, which transformers warns about beside every caller's max_new_tokens);
+    end-of-text ends a sample and pads a batch. Ids past our tokenizer's
     vocabulary (a padded model's rows, the char tokenizer's added tokens) are suppressed: they are
     never generated, as `pretrain sample` draws among the tokenizer's ids only."""
     ids = _special_ids(tok)
@@ -471,7 +474,7 @@ def hf_generation_config(tok: Tokenizer, m: ModelConfig) -> dict[str, Any]:
         "do_sample": True,
         "temperature": 0.8,
         "top_k": 200,
-        "max_length": m.block_size,
+        "max_new_tokens": 200,
         **ids,
         "pad_token_id": ids["eos_token_id"],
         **suppress,
@@ -544,12 +547,16 @@ def export(
     cast = {k: v.to(_DTYPES[dtype]) for k, v in sd.items()}
     final = Path(os.path.abspath(out))  # `--out .` has no name to stage beside
     make_dir(final.parent, "--out", OutputError)
-    tmp = temp_name(final.with_name(f".{final.name}"))
+    tmp = staging_dir(final)
     tmp.mkdir()
     try:
         native = {k: v for k, v in cast.items() if k != "lm_head.weight" or not cfg.model.tie_embeddings}
         save_file(unshared(native), str(tmp / WEIGHTS), metadata={"format": "pt", "dtype": dtype})
         default_mode(tmp / WEIGHTS)
+        if tok is not None:
+            tok.save(tmp / TOKENIZER)
+        if hf and tok is not None:
+            write_hf(tmp / HF_DIR, cfg.model, cast, dtype, tok)
         info = {
             "model": cfg.model.model_dump(mode="json"),
             "config": meta["config"],
@@ -559,12 +566,13 @@ def export(
             "tokens_seen": meta.get("tokens_seen"),
             "tokenizer_fingerprint": meta.get("tokenizer_fingerprint"),
             "versions": meta.get("versions"),
+            "files": {  # what `sample` checks
+                p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                for p in sorted(tmp.rglob("*"))
+                if p.is_file()
+            },
         }
         write_atomic(tmp / INFO, json.dumps(info, indent=1) + "\n")
-        if tok is not None:
-            tok.save(tmp / TOKENIZER)
-        if hf and tok is not None:
-            write_hf(tmp / HF_DIR, cfg.model, cast, dtype, tok)
         replace_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -576,6 +584,51 @@ def export(
         "hf": hf_architecture(cfg.model) if hf else None,
         "step": meta.get("step"),
     }
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_export(src: Path, info: dict[str, Any], *, checksums: bool = True) -> None:
+    """The files of the export `src` against the sizes and sha256 its pretrain.json recorded
+    (sizes only without `checksums`), as a checkpoint's are: one CheckpointError naming each file
+    that differs, and the fix. An export made before they were recorded is read as it is, said so."""
+    files = info.get("files")
+    if not isinstance(files, dict):
+        print(
+            f"warning: {src / INFO} records no checksums (an export made before they were): its files are "
+            "read unchecked; export it again to have them checked",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    problems = []
+    for rel, want in sorted(files.items()):
+        path = src / rel
+        try:
+            if not isinstance(want, dict) or Path(rel).is_absolute() or ".." in Path(rel).parts:
+                problems.append(f"{src / INFO}: its entry {rel!r} is no file of the export")
+            elif not path.is_file():
+                problems.append(f"{path}: {'not a regular file' if path.exists() else 'missing'}")
+            elif path.stat().st_size != want.get("bytes"):
+                problems.append(
+                    f"{path}: {path.stat().st_size} bytes, {want.get('bytes')} recorded at export"
+                )
+            elif checksums and "sha256" in want and _sha256(path) != want["sha256"]:
+                problems.append(f"{path}: its sha256 differs from the one recorded at export")
+        except OSError as e:
+            problems.append(f"{path}: {e.strerror or e}")
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        source = info.get("source") if isinstance(info.get("source"), str) else "CHECKPOINT"
+        raise CheckpointError(
+            f"{shown}: the export is damaged; export it again (pretrain export {source} --out {src})"
+        )
 
 
 def load_model(src: Path, device: str = "cpu", checksums: bool = True) -> tuple[GPT, RunConfig, Path]:
@@ -596,6 +649,7 @@ def load_model(src: Path, device: str = "cpu", checksums: bool = True) -> tuple[
                 f"{src / WEIGHTS}: not a readable safetensors file ({type(e).__name__}: {first}); {again}"
             ) from e
         check_weights(sd, cfg.model, src / WEIGHTS, INFO, again)
+        verify_export(src, info, checksums=checksums)
         where = src
     else:
         where = checkpoint.locate(src, checksums=checksums)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import errno
 import fcntl
+import hashlib
 import itertools
 import os
 import shutil
@@ -29,10 +30,31 @@ from typing import IO, Any
 
 from pretrain.errors import PretrainError
 
+NAME_MAX = 255  # bytes in one file name (Linux, macOS)
+_ADDED = 24  # room for what is added to a name beside it: ".tmp-<pid>", ".old-<pid>", ".lock", a leading "."
+
+
+def short_name(name: str) -> str:
+    """`name`, or where what is added to it beside it would pass the 255 bytes a file name may
+    have, its start and a short hash of the whole (still its own, and the same in every process)."""
+    raw = name.encode()
+    if len(raw) + _ADDED <= NAME_MAX:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:12]
+    return f"{raw[: NAME_MAX - _ADDED - len(digest) - 1].decode(errors='ignore')}~{digest}"
+
 
 def temp_name(path: Path) -> Path:
     """Where `path` is written before it is renamed into place (this process's own name)."""
-    return path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    return path.with_name(f"{short_name(path.name)}.tmp-{os.getpid()}")
+
+
+def staging_dir(out: Path) -> Path:
+    """Where a directory that `replace_dir` puts at `out` is built: beside the directory `out` is
+    (where `out` is a link, the one it points to, so that the final rename stays on its file
+    system), under a hidden name of this process's that fits whatever the name of `out`."""
+    real = Path(os.path.realpath(out))
+    return real.with_name(f".{short_name(real.name)}.tmp-{os.getpid()}")
 
 
 def fsync_dir(path: Path) -> None:
@@ -95,15 +117,17 @@ def default_mode(path: Path) -> None:
 
 
 def replace_dir(staging: Path, out: Path) -> None:
-    """Put the finished directory `staging` at `out`: its files are fsynced, whatever was at
-    `out` is renamed aside, the new one renamed in, and only then the old one deleted."""
+    """Put the finished directory `staging` (built at `staging_dir(out)`) at `out`: its files are
+    fsynced, whatever was at `out` is renamed aside, the new one renamed in, and only then the old
+    one deleted. A link at `out` is written through and kept: what it points to is replaced."""
     for p in staging.rglob("*"):
         if p.is_file() and not p.is_symlink():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
     fsync_dir(staging)
+    out = Path(os.path.realpath(out))
     if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        old = out.with_name(f".{short_name(out.name)}.old-{os.getpid()}")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(out, old)
         os.replace(staging, out)
@@ -157,8 +181,13 @@ def check_output_dir(
             raise error(
                 f"{flag} {out} is inside {src}, which the {what} reads: choose a directory outside it"
             )
-    if not out.exists() and not out.is_symlink():
-        return
+    if not out.exists():
+        if out.is_symlink() and not real.parent.is_dir():
+            raise error(
+                f"{flag} {out}: a link to {real}, whose directory {real.parent} does not exist; create "
+                f"it, or point {flag} elsewhere"
+            )
+        return  # new; or a link to a new directory, which is written through the link
     if not out.is_dir():
         raise error(f"{flag} {out}: exists and is not a directory; choose a new directory for {flag}")
     if is_own_entry is not None:

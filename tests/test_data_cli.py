@@ -162,3 +162,21 @@ def test_missing_optional_package_names_its_extra(tmp_path: Path) -> None:
         )
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         assert f"pip install 'pretrain[{extra}]'" in out.stderr and len(out.stderr.splitlines()) == 1
+
+
+def test_a_corpus_that_is_no_regular_file_or_is_empty_is_named_as_such(tmp_path: Path) -> None:
+    """/dev/null, a FIFO or a link to nothing is named for what it is (it was "no such file"); an
+    empty file as empty. One line each, with the fix, and no dataset directory made."""
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    for corpus, what in (
+        ("/dev/null", "/dev/null: a character device, not a regular file"),
+        (str(tmp_path / "fifo"), "fifo: a named pipe (FIFO), not a regular file"),
+        (str(tmp_path / "gone"), f"gone: a link to {tmp_path / 'nowhere'} (No such file or directory)"),
+        (str(tmp_path / "empty.txt"), "empty.txt: empty, 0 bytes"),
+    ):
+        out = run(["data", "prepare", f"--set=data.corpus={corpus}", "--set=data.dataset_dir=ds"], tmp_path)
+        assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+        assert what in out.stderr and "point data.corpus at" in out.stderr, out.stderr
+    assert not (tmp_path / "ds").exists()

@@ -1,6 +1,7 @@
 """Faults in the data pipeline, on the real commands and files: two prepares of one dataset dir, a
 rebuild under a run that reads it, --force over another dataset, SIGINT/SIGTERM/kill -9 mid-prepare,
-a dataset's own validation split, a one-character corpus, a deleted shard rebuilt under a resume.
+a dataset's own validation split, a one-character corpus, a deleted shard rebuilt under a resume,
+a 250-character dataset dir name, a dataset dir that is a link.
 Each ends in one message naming the problem and the fix, never a traceback, with nothing lost."""
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ import psutil
 import pytest
 
 from pretrain.config.tree import DataConfig
-from pretrain.data.dataset import datasets_sha256, load_manifest, open_datasets, same_data, write_manifest
+from pretrain.data.dataset import (
+    datasets_sha256,
+    load_manifest,
+    open_datasets,
+    same_data,
+    stop_reading,
+    write_manifest,
+)
 from pretrain.data.prepare import input_fingerprint, output_config, prepare
 from pretrain.data.shards import open_shard, write_shard
 from pretrain.data.tokenizer import CharTokenizer, load_tokenizer
@@ -434,3 +442,50 @@ def test_what_a_run_trains_on_is_its_tokens_not_the_manifests_timings(tmp_path: 
     assert datasets_sha256([two]) == sha and same_data(sha, [two]) and not same_data("0" * 64, [two])
     prepare(cfg.model_copy(update={"seed": 5}), force=True)
     assert datasets_sha256(open_datasets(cfg.model_copy(update={"seed": 5}))) != sha
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. The dataset directory's name and links
+
+
+def test_a_250_character_dataset_dir_name_is_prepared_locked_and_rebuilt(tmp_path: Path) -> None:
+    """The staging directory, the lock and the old copy beside it had the name plus a prefix and a
+    suffix, past the 255 bytes a name may have: the prepare failed, and the lock was silently none."""
+    corpus = write_corpus(tmp_path / "c.jsonl", 20)
+    ds = tmp_path / ("d" * 250)
+    args = ["data", "prepare", f"--set=data.corpus={corpus}", f"--set=data.dataset_dir={ds}"]
+    done = pretrain(args, tmp_path)
+    assert done.returncode == 0 and f"dataset ready in {ds}" in done.stdout, done.stderr
+    cfg = DataConfig(corpus=str(corpus), dataset_dir=str(ds))
+    open_datasets(cfg)  # this process reads it: its lock is held, so a rebuild is refused
+    try:
+        forced = pretrain([*args, "--force"], tmp_path)
+        assert forced.returncode == 2 and f"in use by a run that reads it (pid {os.getpid()}" in forced.stderr
+    finally:
+        stop_reading(ds)
+    forced = pretrain([*args, "--force"], tmp_path)
+    assert forced.returncode == 0 and "rebuilt byte for byte" in forced.stdout, forced.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", ds.name]  # nothing left beside
+
+
+def test_a_linked_dataset_dir_is_written_through_the_link_which_is_kept(tmp_path: Path) -> None:
+    """`--force` replaced the link with a directory beside it (and left the link as `.ds.old-PID`):
+    the dataset now goes to the directory the link points to, on its disk, and the link stays."""
+    corpus = write_corpus(tmp_path / "c.jsonl", 20)
+    (tmp_path / "big").mkdir()
+    (tmp_path / "ds").symlink_to(tmp_path / "big" / "ds")  # to a directory not made yet
+    args = ["data", "prepare", f"--set=data.corpus={corpus}", f"--set=data.dataset_dir={tmp_path / 'ds'}"]
+    for extra in ([], ["--force"]):
+        done = pretrain(args + extra, tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert (tmp_path / "ds").is_symlink() and (tmp_path / "big" / "ds" / "manifest.json").is_file()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["big", "c.jsonl", "ds"]
+        assert [p.name for p in (tmp_path / "big").iterdir()] == ["ds"]
+    (tmp_path / "gone").symlink_to(tmp_path / "unmounted" / "ds")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for link, why in (
+        ("gone", f"whose directory {tmp_path / 'unmounted'} does not exist"),
+        ("loop", "cannot be resolved"),
+    ):
+        done = pretrain([*args, f"--set=data.dataset_dir={tmp_path / link}"], tmp_path)
+        assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and why in done.stderr, done.stderr

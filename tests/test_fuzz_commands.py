@@ -402,3 +402,58 @@ def test_render_writes_only_into_its_own_directories_and_refuses_ignored_flags(t
     ]:
         one_error(main("render", *argv), needle)
     assert json.loads(ok(main("render", "--world-size", "2")))["train_batch_size"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# export checksums; numbers in another base, or past any machine
+
+
+def test_a_flipped_byte_in_an_export_is_refused_by_sample_naming_the_file(rope_export, tmp_path):
+    """pretrain.json records the size and sha256 of the export's other files; sample checks them as it
+    checks a checkpoint's (a flipped byte in the weights was sampled from, unseen)."""
+    out = tmp_path / "export"
+    shutil.copytree(rope_export, out)
+    weights = out / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0x01  # one bit of a weight: still a finite number, the file still parses
+    weights.write_bytes(bytes(data))
+    one_error(
+        main("sample", str(out), "--max-new-tokens", "4"),
+        f"{weights}: its sha256 differs from the one recorded at export",
+        f"export it again (pretrain export {json.loads((out / 'pretrain.json').read_text())['source']} --out",
+    )
+    ok(main("sample", str(out), "--max-new-tokens", "4", "--no-checksums"))  # sizes only, as for a checkpoint
+    (out / "hf" / "config.json").write_text("{}")
+    one_error(main("sample", str(out), "--no-checksums"), f"{out / 'hf' / 'config.json'}: 2 bytes, ")
+    # An export made before the checksums were recorded is read as it is, and said so.
+    shutil.rmtree(out)
+    shutil.copytree(rope_export, out)
+    info = json.loads((out / "pretrain.json").read_text())
+    del info["files"]
+    (out / "pretrain.json").write_text(json.dumps(info))
+    done = main("sample", str(out), "--max-new-tokens", "4")
+    assert ok(done) and "records no checksums" in done.stderr and "export it again" in done.stderr
+
+
+def test_an_integer_in_another_base_is_refused_with_its_decimal():
+    """YAML 1.1 read `--set model.n_layer=0x10` as 16, `0b11` as 3 and `1:30` as 90, silently."""
+    for value, needle in [
+        ("0x10", "a hexadecimal number (16); write it in decimal (16), or quote it where text is meant"),
+        ("0b11", "a binary number (3)"),
+        ("1:30", "a base 60 number (90)"),
+    ]:
+        one_error(main("config", "--set", f"model.n_layer={value}"), f"--set 'model.n_layer={value}'", needle)
+    one_error(main("config", "--set", "model.n_layer='0x10'"), "model.n_layer", "valid integer")  # text
+    assert "n_layer: 16" in ok(main("config", "--set", "model.n_layer=16"))
+
+
+def test_plan_and_render_refuse_infinite_sizes_and_world_sizes_past_any_machine():
+    for argv, needle in [
+        (["plan", "--world-size", "1000000000000"], "--world-size: 1000000000000 is out of range: a whole "
+         "number at least 1 and at most 1048576"),
+        (["plan", "--world-size", "1e12"], "--world-size: '1e12' is not a whole number"),
+        (["render", "--world-size", "1" + "0" * 20], "--world-size: 1" + "0" * 20 + " is out of range"),
+        *[(["plan", flag, "inf"], f"argument {flag}: inf is out of range: a finite number above 0")
+          for flag in ("--peak-tflops", "--host-gb", "--device-gb", "--busbw", "--node-busbw")],
+    ]:  # fmt: skip
+        one_error(main(*argv), needle)

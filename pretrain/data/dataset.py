@@ -25,7 +25,7 @@ from pretrain.config.tree import DataConfig, RunConfig
 from pretrain.data.shards import ShardInfo, dtype_for_vocab, read_header
 from pretrain.data.tokenizer import GPT2_VOCAB_SIZE, Tokenizer
 from pretrain.errors import ConfigError, DataError
-from pretrain.files import FileLock, write_atomic
+from pretrain.files import FileLock, short_name, write_atomic
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2
@@ -45,7 +45,7 @@ PREPARE_LOCK_HOLDER = "pretrain data prepare"
 def dataset_lock(dataset_dir: Path) -> FileLock:
     """The dataset's lock: `.NAME.lock` beside its (resolved) directory, which is swapped whole."""
     real = dataset_dir.resolve()
-    return FileLock(real.parent / f".{real.name}.lock", PREPARE_LOCK_HOLDER)
+    return FileLock(real.parent / f".{short_name(real.name)}.lock", PREPARE_LOCK_HOLDER)
 
 
 _READING: dict[Path, FileLock] = {}  # the datasets this process reads, locked shared until it exits

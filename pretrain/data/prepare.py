@@ -10,7 +10,8 @@ number of workers. Memory stays constant apart from the dedup indexes (see dedup
 multiprocessing child, a worker imports the calling program's main module again: keep heavy
 imports out of a script's top level.
 
-The dataset is built in a staging directory next to `cfg.resolved_dir()` and swapped in whole
+The dataset is built in a staging directory next to `cfg.resolved_dir()` (next to the directory
+it points to, where it is a link: the link is kept, and written through) and swapped in whole
 at the end, manifest written last: a failed or interrupted run leaves the previous dataset as it
 was, and no file under the final name that looks complete but isn't. A second run with the same
 config and input is a no-op; a different one is refused unless `force`. The dataset's OS lock
@@ -77,7 +78,7 @@ from pretrain.data.tokenizer import (
     count_words,
 )
 from pretrain.errors import DataError, require
-from pretrain.files import FileLock, check_output_dir, format_bytes, replace_dir
+from pretrain.files import FileLock, check_output_dir, format_bytes, replace_dir, short_name, staging_dir
 
 # DataConfig fields that do not change what prepare writes (where inputs come from, how many
 # workers, what the loader does): a change in them keeps a prepared dataset valid.
@@ -610,9 +611,7 @@ def _fit_tokenizer(
             progress.update(_task_bytes(task))
         progress.close()
         if not chars:
-            raise DataError(
-                f"{cfg.corpus}: no document left after cleaning and filtering; nothing to fit a vocabulary on"
-            )
+            raise _no_document(cfg.corpus, total, "; nothing to fit a vocabulary on")
         if len(chars) < MIN_VOCAB:
             raise DataError(too_small_vocab(f"{cfg.corpus}: would make", "char", len(chars), sorted(chars)))
         return CharTokenizer(sorted(chars))
@@ -635,14 +634,19 @@ def _fit_tokenizer(
     finally:
         words.close()  # stops the workers still busy past the training sample
     if not counts:
-        raise DataError(
-            f"{cfg.corpus}: no document left after cleaning and filtering; nothing to train a BPE on"
-        )
+        raise _no_document(cfg.corpus, total, "; nothing to train a BPE on")
     if log:
         log(
             f"training a {cfg.bpe_vocab_size}-token BPE on {n_chars:,} characters ({len(counts):,} distinct words)"
         )
     return BPETokenizer.train(counts, cfg.bpe_vocab_size)
+
+
+def _no_document(corpus: str, total: int | None, why: str) -> DataError:
+    """No document to tokenize: the corpus is empty (0 bytes), or cleaning and filtering left none."""
+    if total == 0:
+        return DataError(f"{corpus}: empty, 0 bytes; point data.corpus at files with text in them")
+    return DataError(f"{corpus}: no document left after cleaning and filtering{why}")
 
 
 def _encode(
@@ -685,9 +689,7 @@ def _encode(
                     largest = (int(r.lengths[i]), r.names[i], "val" if r.is_val[i] else "train")
             progress.update(_task_bytes(task), kept)
         if held is None:
-            raise DataError(
-                f"{cfg.corpus}: no document left after cleaning and filtering ({_one_line(stats)})"
-            )
+            raise _no_document(cfg.corpus, total, f" ({_one_line(stats)})")
         notes = _write_last(cfg, tok, writers, held, kept=kept)
         if own_val:
             notes.insert(0, f"val is the dataset's own {own_val!r} split (data.val_fraction not used)")
@@ -885,16 +887,23 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _remove_stale(out: Path) -> None:
-    """Staging and old directories left by runs that died (this machine's dead pids)."""
-    for p in out.parent.glob(f".{out.name}.*-*"):
-        kind, _, pid = p.name.rpartition("-")
+    """Staging and old directories left by runs that died (this machine's dead pids), beside the
+    directory `out` is (what a link there points to; a link set aside by an older version, too)."""
+    real = Path(os.path.realpath(out))
+    stem = f".{short_name(real.name)}."
+    for p in real.parent.iterdir() if real.parent.is_dir() else ():
+        kind, _, pid = p.name.removeprefix(stem).rpartition("-")
         if (
-            kind.endswith((".tmp", ".old"))
+            p.name.startswith(stem)
+            and kind in ("tmp", "old")
             and pid.isdigit()
             and int(pid) != os.getpid()
             and not _pid_alive(int(pid))
         ):
-            shutil.rmtree(p, ignore_errors=True)
+            if p.is_symlink():
+                p.unlink()
+            else:
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -1058,6 +1067,10 @@ def prepare(
     if cfg.blend:
         return open_datasets(cfg)[0].dir
     out = cfg.resolved_dir()
+    try:
+        out.resolve()
+    except (RuntimeError, OSError) as e:  # a link loop: RuntimeError before Python 3.13
+        raise DataError(f"data.dataset_dir {out}: cannot be resolved ({e}); point it at a directory") from e
     if cfg.clean.near_dedup:
         require("datasketch", NEAR_DEDUP, "near-dedup")  # before any pass over the corpus
     had = (out / MANIFEST).is_file()
@@ -1164,7 +1177,7 @@ def _build(
 ) -> None:
     """Build the dataset in a staging directory beside `out`, then swap it in whole."""
     _remove_stale(out)
-    staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    staging = staging_dir(out)  # beside what a link at `out` points to: the dataset goes there
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:

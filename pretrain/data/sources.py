@@ -16,6 +16,7 @@ import glob
 import hashlib
 import importlib.util
 import os
+import stat
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -105,7 +106,8 @@ def fetch(name: str, download_dir: str | Path, source: str | Path | None = None)
     if source is not None:
         path = Path(os.path.expanduser(source))
         if not path.is_file():
-            raise DataError(f"{path}: no such file (data.source, the local copy of {name})")
+            what = _not_a_file(path) if path.exists() or path.is_symlink() else "no such file"
+            raise DataError(f"{path}: {what} (data.source, the local copy of {name}): give the file itself")
         got = _sha256_file(path)
         if got != d.sha256:
             raise DataError(f"{path}: sha256 {got}, but {name} ({d.url}) has {d.sha256}: not a copy of it")
@@ -409,8 +411,29 @@ def _path_inputs(corpus: str, fmt: str, hf: HFOptions | None) -> Iterator[InputF
         yield from _directory_inputs(path, fmt)
     elif _GLOB_CHARS & set(corpus):
         yield from _glob_inputs(corpus, fmt)
+    elif path.exists() or path.is_symlink():
+        raise DataError(
+            f"{corpus}: {_not_a_file(path)}, so it holds no corpus; point data.corpus at a file of text, "
+            "JSON Lines or parquet, a directory of them or a glob"
+        )
     else:
         raise DataError(f"{corpus}: no such file or directory")
+
+
+def _not_a_file(path: Path) -> str:
+    """What `path` is, where it is there but neither a regular file nor a directory."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:  # a link to nothing, or a loop
+        return f"a link to {os.readlink(path)} ({e.strerror or e})"
+    kinds = {
+        stat.S_ISDIR: "a directory",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+        stat.S_ISFIFO: "a named pipe (FIFO)",
+        stat.S_ISSOCK: "a socket",
+    }
+    return next((what for test, what in kinds.items() if test(mode)), "something") + ", not a regular file"
 
 
 def _directory_inputs(path: Path, fmt: str) -> Iterator[InputFile]:
