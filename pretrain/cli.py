@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import logging
 import os
@@ -37,7 +38,7 @@ from pretrain.cluster.launch import (
 )
 from pretrain.cluster.reach import LAUNCHERS, Launch, filter_hosts, is_this_machine
 from pretrain.cluster.reach import check as check_launch
-from pretrain.cluster.supervise import REFUSED_FILE, restart_count, supervise
+from pretrain.cluster.supervise import REFUSED_FILE, refuse, restart_count, supervise
 from pretrain.config.ds_keys import RECORD
 from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
 from pretrain.config.presets import DS_CONFIG_RENDERS, PRESETS, build, build_checked
@@ -51,21 +52,29 @@ if TYPE_CHECKING:
 
 
 def _number(
-    kind: type[int] | type[float], low: float, *, above: bool = False, high: float | None = None
+    kind: type[int] | type[float],
+    low: float,
+    *,
+    above: bool = False,
+    high: float | None = None,
+    finite: bool = False,
 ) -> Any:
-    """An argparse type: a `kind` number at least `low` (above it with `above`), at most `high`.
-    A bad value is argparse's one-line error (exit 2), naming the flag and the range."""
+    """An argparse type: a `kind` number at least `low` (above it with `above`), at most `high`,
+    and not infinite with `finite`. A bad value is argparse's one-line error (exit 2), naming the
+    flag and the range."""
     bound = f"{'above' if above else 'at least'} {low:g}" + (
-        f" and at most {high:g}" if high is not None else ""
-    )
-    noun = "a whole number" if kind is int else "a number"
+        f" and at most {high:g}" if kind is float and high is not None
+        else f" and at most {int(high)}" if high is not None else ""
+    )  # fmt: skip
+    noun = "a whole number" if kind is int else "a finite number" if finite else "a number"
 
     def parse(text: str) -> int | float:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
-        if value != value or value < low or (above and value == low) or (high is not None and value > high):
+        out = value < low or (above and value == low) or (high is not None and value > high)
+        if value != value or out or (finite and abs(value) == float("inf")):
             raise argparse.ArgumentTypeError(f"{text} is out of range: {noun} {bound}")
         return value
 
@@ -78,6 +87,9 @@ PORT = _number(int, 1, high=65535)
 POSITIVE = _number(float, 0, above=True)  # sizes, seconds, rates, temperature
 FRACTION = _number(float, 0, above=True, high=1)
 WORKERS = _number(int, 0, high=1024)  # processes on one machine
+# The ranks of one job, for plans and renders: 2**20, well past the largest clusters built.
+WORLD = _number(int, 1, high=2**20)
+MEASURE = _number(float, 0, above=True, finite=True)  # a plan's sizes, peaks and bandwidths
 
 
 def HOST(text: str) -> str:
@@ -141,6 +153,9 @@ def _config(args: argparse.Namespace, world_size: int | None, deepspeed: bool = 
         "config_file": args.config,
         "overrides": args.overrides,
         "world_size": world_size,
+        # a resume (asked, or a supervised restart) takes the checkpoint's weights: init_from's
+        # directory may be gone (presets.with_init_from_shape)
+        "resume": bool(getattr(args, "resume", None)) or restart_count() > 0,
     }
     return build_checked(args.ds, **given) if deepspeed else build(ds_file=args.ds, **given)
 
@@ -188,7 +203,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("render", help="Print the DeepSpeed JSON of a config, or (--all) rewrite ds_configs/.")
     _add_config_args(p)
-    p.add_argument("--world-size", type=COUNT, help="Data-parallel world size (default 1; not with --all).")
+    p.add_argument("--world-size", type=WORLD, help="Data-parallel world size (default 1; not with --all).")
     p.add_argument(
         "--all",
         action="store_true",
@@ -218,7 +233,7 @@ def parser() -> argparse.ArgumentParser:
     )
     _add_config_args(p)
     p.add_argument(
-        "--world-size", type=COUNT, help="Data-parallel world size (default 1, or the hostfile's)."
+        "--world-size", type=WORLD, help="Data-parallel world size (default 1, or the hostfile's)."
     )
     p.add_argument(
         "--hostfile",
@@ -227,18 +242,18 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--device-gb",
-        type=POSITIVE,
+        type=MEASURE,
         help="Memory of one rank's device in GB (default: the device's name, the hostfile's line, else this "
         "machine's).",
     )
     p.add_argument(
         "--host-gb",
-        type=POSITIVE,
+        type=MEASURE,
         help="Host memory of one node in GB (default: the hostfile's line, else this machine's when it is the "
         "target).",
     )
     p.add_argument(
-        "--gpus-per-node", type=COUNT, help="Ranks per node, for DeepSpeed's estimates (default: min(N, 8))."
+        "--gpus-per-node", type=WORLD, help="Ranks per node, for DeepSpeed's estimates (default: min(N, 8))."
     )
     t = p.add_argument_group(
         "step time (default: a previous run, preflight's figure, this machine, assumptions)"
@@ -248,12 +263,12 @@ def parser() -> argparse.ArgumentParser:
         help="The GPU, for its datasheet peak and, where the name says it (A100-80GB) or the GPU comes in "
         "one size (H100), its memory; or 'cpu'.",
     )
-    t.add_argument("--peak-tflops", type=POSITIVE, help="One rank's peak TFLOP/s.")
+    t.add_argument("--peak-tflops", type=MEASURE, help="One rank's peak TFLOP/s.")
     t.add_argument("--mfu", type=FRACTION, help="The fraction of the peak forward+backward reach.")
-    t.add_argument("--busbw", type=POSITIVE, help="All-reduce bus bandwidth in GB/s (preflight measures it).")
+    t.add_argument("--busbw", type=MEASURE, help="All-reduce bus bandwidth in GB/s (preflight measures it).")
     t.add_argument(
         "--node-busbw",
-        type=POSITIVE,
+        type=MEASURE,
         help="All-reduce bus bandwidth within a node in GB/s, for tensor parallelism (default: --busbw on one "
         "node, else assumed).",
     )
@@ -475,6 +490,8 @@ def _add_checkpoint_parsers(sub: Any) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.max_restarts is not None or args.nproc_per_node is not None:
         if "RANK" not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
+            if args.ds is None:
+                _check_before_the_ranks(args)
             return supervise(
                 args.argv[1:],  # after `train`: the top-level parser has no options of its own
                 script=Path(__file__).resolve().parent / "main.py",
@@ -517,6 +534,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_before_the_ranks(args: argparse.Namespace) -> None:
+    """The supervisor's check of the config: every rank would refuse a bad one alike, so it is said
+    here, once, before any starts. Its notes are rank 0's to say, unless with the error. (With a --ds
+    JSON the ranks run DeepSpeed's validators too, so that one error lists every problem: not here.)"""
+    notes = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(notes):
+            _config(args, args.nproc_per_node or 1, deepspeed=False)
+    except PretrainError:
+        sys.stderr.write(notes.getvalue())
+        raise
+
+
 def _prepare_on_rank_0(cfg: RunConfig, dist: Dist) -> None:
     """Rank 0 prepares the dataset if needed; the others wait and learn whether it worked."""
     import torch.distributed as tdist
@@ -550,13 +580,15 @@ def _resume(resume: str | None, cfg: RunConfig) -> str | None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from pretrain.training.checkpoint import convert_to_universal  # torch, DeepSpeed
+    from pretrain.training.checkpoint import convert_to_universal, read_meta, saved_layout  # torch, DeepSpeed
 
     out, wrote = convert_to_universal(Path(args.src), workers=args.workers, checksums=not args.no_checksums)
+    pipeline = saved_layout(read_meta(out))[1]
+    # A pipeline's parameters are named by stage layer, the GPT's by module: it resumes as a pipeline only.
+    where = "on any world size" if pipeline == 1 else f"on any world size with parallel.pipeline={pipeline}"
     print(
         f"{'wrote the universal checkpoint' if wrote else 'already converted, and sound:'} {out}\n"
-        f"`pretrain train --resume auto` (same run dir) now continues it on any world size; or pass "
-        f"--resume {out}"
+        f"`pretrain train --resume auto` (same run dir) now continues it {where}; or pass --resume {out}"
     )
     return 0
 
@@ -1076,6 +1108,13 @@ def cmd_launch_check(args: argparse.Namespace) -> int:
             f"{args.script}: MASTER_ADDR='{args.master_addr}' is not a host name or address", file=sys.stderr
         )
         return 2
+    if args.node_rank and args.launcher != "no-ssh":  # only deepspeed --no_ssh takes a node rank
+        print(
+            f"{args.script}: --node-rank {args.node_rank} is for --launcher no-ssh only (deepspeed --no_ssh): "
+            "add --launcher no-ssh, or leave --node-rank out",
+            file=sys.stderr,
+        )
+        return 2
     launch = Launch(
         hostfile=args.hostfile,
         hosts=read_hostfile(args.hostfile),
@@ -1199,11 +1238,13 @@ def main(argv: list[str] | None = None) -> int:
     except PretrainError as e:
         # A person's mistake, or the machine's (a full disk): one message, no traceback. Raised on
         # every rank alike (collective), printed by rank 0; or by the one rank that saw it.
-        # Under `train --max-restarts`: not to be retried, unless another rank died (a restart is for that).
-        if (refused := os.environ.get(REFUSED_FILE)) and not isinstance(e, RankLostError):
-            with contextlib.suppress(OSError):
-                Path(refused).write_text(f"{e}\n")
+        # Under `train --nproc-per-node`/`--max-restarts`: not to be retried, unless another rank died
+        # (a restart is for that); the supervisor prints it once torchrun has stopped every rank.
         rank = os.environ.get("RANK", "0")
+        refused = os.environ.get(REFUSED_FILE, "")
+        supervised = refused and not isinstance(e, RankLostError) and rank.isdigit()
+        if supervised and refuse(refused, rank=int(rank), message=str(e), collective=e.collective):
+            return 2
         if rank == "0" or not e.collective:
             print(f"error: {e}" if rank == "0" else f"error (rank {rank}): {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ import itertools
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pretrain.errors import DataError, OutputError, require
 from pretrain.files import make_dir, not_ours, read_csv_tolerant, write_atomic
@@ -97,6 +98,13 @@ def output_path(run_dir: Path, out: str | Path | None) -> Path:
     return path
 
 
+def _draw(ax: Any, series: tuple[list[float], list[float]], **style: Any) -> None:
+    """A line, with a marker on each point where there are too few for a line to show (a run of
+    one logged step drew empty panels)."""
+    xs, ys = series
+    ax.plot(xs, ys, marker="o" if len(xs) < 3 else None, markersize=4, **style)
+
+
 def plot_run(
     run_dir: Path, out: str | Path | None = None, report: Callable[[str], None] | None = None
 ) -> Path:
@@ -123,21 +131,22 @@ def plot_run(
     fig, (ax_loss, ax_lr, ax_tps) = plt.subplots(3, 1, figsize=(9, 9), sharex=True, layout="constrained")
     fig.suptitle(f"{run_dir.resolve().name}: {path}", fontsize=11)
 
-    ax_loss.plot(*_series(rows, "loss"), label="train", color="tab:blue", linewidth=1.2)
+    _draw(ax_loss, _series(rows, "loss"), label="train", color="tab:blue", linewidth=1.2)
     vx, vy = _series(rows, "val_loss")
-    ax_loss.plot(vx, vy, "o-", label="val", color="tab:orange", markersize=4, linewidth=1.2)
+    if vx:  # no val legend without val points
+        ax_loss.plot(vx, vy, "o-", label="val", color="tab:orange", markersize=4, linewidth=1.2)
+        ax_loss.legend()
     ax_loss.set_ylabel("loss (cross-entropy, nats)")
     ax_loss.set_title("Loss")
-    ax_loss.legend()
     ax_loss.grid(alpha=0.3)
 
-    ax_lr.plot(*_series(rows, "lr"), color="tab:green", linewidth=1.2)
+    _draw(ax_lr, _series(rows, "lr"), color="tab:green", linewidth=1.2)
     ax_lr.set_ylabel("learning rate")
     ax_lr.set_title("Learning rate")
     ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     ax_lr.grid(alpha=0.3)
 
-    ax_tps.plot(*_series(rows, "tokens_per_s"), color="tab:purple", linewidth=1.2, label="all ranks")
+    _draw(ax_tps, _series(rows, "tokens_per_s"), color="tab:purple", linewidth=1.2, label="all ranks")
     px, py = _series(rows, "tokens_per_s_per_rank")
     if px and py != _series(rows, "tokens_per_s")[1]:
         ax_tps.plot(px, py, color="tab:gray", linewidth=1.0, linestyle="--", label="per rank")

@@ -114,6 +114,52 @@ def test_conflicting_batch_settings_are_errors_naming_both():
     assert len(found) == 2 and any("warmup_steps (5000)" in p for p in found)
 
 
+def test_without_a_world_size_a_global_batch_no_world_gives_is_refused():
+    """`pretrain config` has no world size, and accepted what `render` and `train` then refused."""
+    (p,) = problems(["batch.global_batch_tokens=1000"], None)
+    assert "global_batch_tokens (1000) is not a whole number of sequences of model.block_size (256)" in p
+    assert "the nearest that are, 768 or 1024" in p
+    (p,) = problems(
+        [
+            "batch.global_batch_sequences=64",
+            "batch.micro_batch_size=16",
+            "batch.gradient_accumulation_steps=3",
+        ],
+        None,
+    )
+    assert (
+        "global_batch_sequences (64) and gradient_accumulation_steps (3) disagree whatever the world size"
+        in p
+    )
+    (p,) = problems(["batch.global_batch_sequences=50", "batch.micro_batch_size=16"], None)
+    assert "not a multiple of micro_batch_size (16): no world size gives it" in p
+    # what some world size gives stays unresolved until there is one
+    for ok in (
+        ["batch.global_batch_sequences=64", "batch.micro_batch_size=16"],
+        ["batch.global_batch_tokens=16384"],
+    ):
+        assert build("tiny", overrides=ok).batch.train_batch_size is None
+
+
+def test_a_presets_warmup_is_fitted_to_a_short_run_and_a_given_one_is_not(tmp_path: Path, capsys):
+    """`--set schedule.max_steps=3` alone was refused on the preset's 100 warmup steps."""
+    from pretrain.config import presets
+
+    presets._NOTED.clear()
+    for _ in range(2):  # a command that builds its config twice says it once
+        assert build("tiny", overrides=["schedule.max_steps=3"]).schedule.warmup_steps == 0
+    err = capsys.readouterr().err
+    assert err.count("note: schedule.warmup_steps: the preset's 100 do not fit schedule.max_steps 3: 0") == 1
+    assert build("tiny", overrides=["schedule.max_steps=60"]).schedule.warmup_steps == 4  # 100 of 1500
+    assert build("tiny", overrides=["schedule.max_steps=200"]).schedule.warmup_steps == 100  # it fits
+    (p,) = problems(["schedule.max_steps=3", "schedule.warmup_steps=100"], None)
+    assert "warmup_steps (100) must be below max_steps (3)" in p
+    run = tmp_path / "run.yaml"
+    run.write_text("schedule:\n  warmup_steps: 50\n  max_steps: 10\n")
+    with pytest.raises(ConfigError, match="warmup_steps \\(50\\) must be below max_steps \\(10\\)"):
+        build("tiny", config_file=run)
+
+
 def test_a_higher_layer_states_the_batch_one_way(tmp_path: Path):
     """A config file's global batch replaces the preset's accumulation; an override's accumulation
     replaces the file's global batch."""
@@ -202,6 +248,14 @@ def budget_runs(char_dataset: Path, tmp_path_factory: pytest.TempPathFactory) ->
                 "env": {"PRETRAIN_FAULT_SIGTERM": "0:2"},
             },
             {"name": "tokens_resume", "run": "tokens_res", "overrides": TOKENS, "resume": "auto"},
+            # resumed again with both budgets spent: nothing to train, said so
+            {"name": "tokens_spent", "run": "tokens_res", "overrides": TOKENS, "resume": "auto"},
+            {
+                "name": "steps_spent",
+                "run": "tokens_res",
+                "overrides": [*TOKENS, "schedule.max_tokens=null", "schedule.max_steps=3"],
+                "resume": "auto",
+            },
         ],
     )
     two = torchrun(
@@ -222,7 +276,7 @@ def budget_runs(char_dataset: Path, tmp_path_factory: pytest.TempPathFactory) ->
         ],
     )
     four = torchrun(4, 29593, char_dataset, out, [{"name": "w4", "run": "w4", "overrides": GLOBAL}])
-    return {**one, **two, **four}, out
+    return {**one, **two, **four, "_stdout": one["_stdout"]}, out
 
 
 @pytest.mark.distributed
@@ -257,6 +311,23 @@ def test_max_tokens_ends_the_run_at_the_step_that_reaches_it_resumed_or_not(budg
     assert stop["stopped_by"] == "SIGTERM" and stop["final_step"] == 3
     assert resume["start_step"] == 3 and resume["final_step"] == 4 and resume["ended_by"] == "max_tokens"
     assert {**stop["losses"], **resume["losses"]} == r["losses"]
+
+
+@pytest.mark.distributed
+def test_a_resume_with_its_budget_spent_says_there_is_nothing_to_train(budget_runs):
+    """It printed "resumed ... at step N" and exited 0, with no word that nothing was trained."""
+    res, _ = budget_runs
+    for name in ("tokens_spent", "steps_spent"):
+        assert res[name]["start_step"] == res[name]["final_step"] == 4 and res[name]["losses"] == {}
+    out = res["_stdout"]
+    assert (
+        "nothing to train: the run resumed at step 4, which reaches schedule.max_tokens (1,000): 1,024 tokens "
+        "seen; raise schedule.max_tokens to train on"
+    ) in out
+    assert (
+        "nothing to train: the run resumed at step 4, which reaches schedule.max_steps (3); raise "
+        "schedule.max_steps to train on"
+    ) in out
 
 
 @pytest.mark.distributed

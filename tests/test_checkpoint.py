@@ -7,12 +7,14 @@ Most tests read what the shared 2-rank job (`two_ranks`, tests/conftest.py) left
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import os
 import pickle
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -371,6 +373,24 @@ def test_retention_keeps_last_k_milestones_and_best(tmp_path):
     assert not [p for p in ck.iterdir() if p.name.startswith(".")]
 
 
+def test_retention_of_a_linked_checkpoint_removes_the_link_and_leaves_nothing_behind(tmp_path):
+    """A checkpoint kept elsewhere and linked in was renamed to `.trash-step_N`, which rmtree
+    refuses (a link): the link stayed, and the next start's sweep left it too. Now the link goes;
+    the directory it points to (another run's, a shared copy) is not this run's to delete."""
+    ck, elsewhere = tmp_path / "ck", tmp_path / "elsewhere"
+    for step in (2, 4, 6):
+        d = (elsewhere if step == 2 else ck) / checkpoint.tag_for(step)
+        d.mkdir(parents=True)
+        (d / checkpoint.META).write_text(json.dumps({"step": step}))
+    (ck / "step_00000002").symlink_to(elsewhere / "step_00000002")
+    (ck / ".trash-step_00000000").symlink_to(elsewhere)  # left by the retention before this fix
+    (ck / "latest").write_text("step_00000006\n")
+    assert checkpoint.prune(ck, CheckpointConfig(keep_last=1)) == ["step_00000002", "step_00000004"]
+    checkpoint.preflight(ck, need_bytes=1, keep=1, group=None)  # a start's sweep of leftovers
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000006"]
+    assert (elsewhere / "step_00000002" / checkpoint.META).is_file()
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading is weights-only
 
@@ -415,6 +435,19 @@ def test_every_generator_is_seeded_from_the_seed(two_ranks):
     assert a[0]["python"] != a[1]["python"] and not torch.equal(a[0]["numpy"]["keys"], a[1]["numpy"]["keys"])
 
 
+@pytest.mark.distributed
+def test_elapsed_seconds_count_on_across_a_resume(two_ranks):
+    """metrics.csv's elapsed_s restarted at 0 at each resume; it counts the training time, as
+    schedule.max_hours does, so a resumed run's rows go on from the checkpoint's."""
+    _, out = two_ranks
+    with open(out / "z2_res" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["loss"]]
+    steps = [int(r["step"]) for r in rows]
+    assert steps == sorted(steps) and max(steps) == 8 and 5 in steps  # stopped after 5, resumed to 8
+    elapsed = [float(r["elapsed_s"]) for r in rows]
+    assert elapsed == sorted(elapsed) and elapsed[0] > 0, elapsed
+
+
 def test_rng_states_survive_a_weights_only_round_trip(tmp_path):
     import random
 
@@ -436,8 +469,13 @@ def test_stop_on_signal_ignores_repeats_but_not_a_second_ctrl_c():
         assert stop.signum == signal.SIGTERM
         stop.signum = None
         os.kill(os.getpid(), signal.SIGINT)
-        with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)  # within a second: a launcher passing it on, the same request
+        assert stop.signum == signal.SIGINT
+        time.sleep(stop.SAME_REQUEST_S + 0.2)
+        with pytest.raises(KeyboardInterrupt):  # a person's second Ctrl-C, later: at once
             os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(50):  # the handler runs between bytecodes of this thread
+                time.sleep(0.01)
     finally:
         stop.uninstall()
     assert signal.getsignal(signal.SIGTERM) == before

@@ -399,3 +399,16 @@ def test_a_yes_no_or_an_octal_where_a_number_goes_is_refused(source, needle, tmp
     assert (
         build("tiny", overrides=["model.bias=true", "model.n_layer=3"]).model.n_layer == 3
     )  # bools stay bools
+
+
+def test_a_sections_own_problem_and_one_across_sections_are_listed_together():
+    """A section's rule that failed kept pydantic from the rules across sections: only the warmup was
+    listed, not the tensor degree the model cannot take."""
+    with pytest.raises(ConfigError) as e:
+        build("tiny", overrides=["schedule.max_steps=3", "schedule.warmup_steps=5", "parallel.tensor=3"])
+    assert e.value.problems[0] == "schedule: warmup_steps (5) must be below max_steps (3)"
+    assert any(p.startswith("parallel.tensor (3) must divide model.n_head (2)") for p in e.value.problems)
+    # a field that does not validate still stops there: the rules need every field
+    with pytest.raises(ConfigError) as e:
+        build("tiny", overrides=["model.n_layer=0", "parallel.tensor=3"])
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith("model.n_layer")

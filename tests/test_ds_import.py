@@ -204,7 +204,8 @@ SCHEDULER_CASES = [
     ("WarmupLR", {}, {"warmup_steps": 1000, "warmup_type": "log"}),  # warmup past the run's end
     ("WarmupDecayLR", {"total_num_steps": 80, "warmup_min_lr": 1e-5, "warmup_max_lr": 3e-4, "warmup_num_steps": 10},
      {"max_steps": 80, "decay": "linear", "min_lr_ratio": pytest.approx(1e-5 / 3e-4)}),
-    ("WarmupDecayLR", {"total_num_steps": 60, "warmup_type": "linear"}, {"max_steps": 60, "decay": "linear"}),
+    ("WarmupDecayLR", {"total_num_steps": 60, "warmup_num_steps": 20, "warmup_type": "linear"},
+     {"max_steps": 60, "decay": "linear"}),
     ("WarmupCosineLR", {"total_num_steps": 80, "warmup_min_ratio": 0.1, "warmup_num_steps": 20,
                         "cos_min_ratio": 0.2, "warmup_type": "linear"},
      {"max_steps": 80, "warmup_steps": 20, "warmup_start_ratio": 0.1, "min_lr_ratio": 0.2, "decay": "cosine"}),
@@ -234,6 +235,24 @@ def test_schedulers_give_deepspeeds_curve_at_every_step(tmp_path, capsys, kind, 
     ours = [lr_at(k, cfg.optimizer.lr, cfg.schedule) for k in range(cfg.schedule.max_steps)]
     theirs = deepspeed_lrs(kind, params, 1e-3, cfg.schedule.max_steps)
     assert ours == pytest.approx(theirs, rel=1e-12, abs=1e-18)
+
+
+@pytest.mark.parametrize("kind", ["WarmupDecayLR", "WarmupCosineLR"])
+@pytest.mark.parametrize("warmup", [1000, None])  # None: DeepSpeed's default, 1000
+def test_a_warmup_past_the_schedules_end_is_refused(tmp_path, kind, warmup):
+    """DeepSpeed only warns: the run would never reach its peak LR."""
+    params = {"total_num_steps": 500} | ({} if warmup is None else {"warmup_num_steps": warmup})
+    ds = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "scheduler": {"type": kind, "params": params},
+    }
+    with pytest.raises(ConfigError) as e:
+        loaded(tmp_path, ds)
+    said = "1000" if warmup else "1000, DeepSpeed's default: the JSON leaves it out"
+    assert e.value.problems == [
+        f"scheduler.params.warmup_num_steps ({said}) is not below total_num_steps (500): a {kind} run would "
+        "never reach warmup_max_lr. Lower warmup_num_steps, or raise total_num_steps"
+    ]
 
 
 def test_auto_in_scheduler_params_resolves_from_the_tree(tmp_path):
@@ -717,3 +736,35 @@ def test_what_deepspeeds_zero_2_and_3_assert_at_initialize_is_refused_before(tmp
     assert "prescale_gradients: DeepSpeed's ZeRO-2 and 3 refuse" in said and "reduce_scatter false" in said
     off = {**ds, "zero_optimization": {"stage": 3, "reduce_scatter": False}}
     assert loaded(tmp_path, off, preset="tiny").zero.stage == 3
+
+
+def test_a_foreign_monitor_path_is_said_to_be_replaced_by_the_run_dir(tmp_path, capsys):
+    ds = {"tensorboard": {"enabled": True, "output_path": "logs/tb", "job_name": "exp1"}}
+    cfg = loaded(tmp_path, ds)
+    err = capsys.readouterr().err
+    for k, v in (("output_path", "logs/tb"), ("job_name", "exp1")):
+        assert (
+            f'tensorboard.{k} ("{v}"): not used; pretrain writes tensorboard to {cfg.run_dir()}/tensorboard'
+            in err
+        )
+    assert "set logging.run_dir to write it elsewhere" in err
+    # a rendered JSON's own paths are the run dir's: nothing to say
+    (tmp_path / "again").mkdir()
+    loaded(tmp_path / "again", render_deepspeed(cfg))
+    assert "not used" not in capsys.readouterr().err
+
+
+def test_auto_zero3_knobs_are_sized_alike_under_either_name(tmp_path):
+    """DeepSpeed reads stage3_prefetch_bucket_size and prefetch_bucket_size (and the persistence
+    threshold's two names) as one field: "auto" sizes both from n_embd."""
+    by_name = {}
+    for prefetch, persist in (
+        ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"),
+        ("prefetch_bucket_size", "param_persistence_threshold"),
+    ):
+        zero = {"stage": 3, prefetch: "auto", persist: "auto"}
+        (tmp_path / prefetch).mkdir()
+        out = render_deepspeed(loaded(tmp_path / prefetch, {"zero_optimization": zero}))["zero_optimization"]
+        by_name[prefetch] = (out[prefetch], out[persist])
+    (a, b), (c, d) = by_name.values()
+    assert (a, b) == (c, d) and a > 0 and b > 0

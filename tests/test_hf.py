@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import stat
+import warnings
 from collections import Counter
 from functools import cache
 from pathlib import Path
@@ -135,12 +136,14 @@ def test_pipeline_generation_config_and_greedy_decoding_match(tmp_path):
     ours = write_random_export(tmp_path / "hf", tok, arch="llama", n_kv_head=2)
     gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert gen["eos_token_id"] == gen["bos_token_id"] == gen["pad_token_id"] == 50256
-    assert gen["max_length"] == 64 and gen["do_sample"]
+    assert gen["max_new_tokens"] == 200 and "max_length" not in gen and gen["do_sample"]
     for p in (tmp_path / "hf").iterdir():  # readable by others (umask 022 here): not 0600
         assert stat.S_IMODE(p.stat().st_mode) & 0o044 == 0o044, p.name
 
     pipe = transformers.pipeline("text-generation", model=str(tmp_path / "hf"))
-    out = pipe("ROMEO:", max_new_tokens=8)[0]["generated_text"]
+    with warnings.catch_warnings():  # a max_length in the export warned beside every max_new_tokens
+        warnings.simplefilter("error")
+        out = pipe("ROMEO:", max_new_tokens=8)[0]["generated_text"]
     assert out.startswith("ROMEO:") and len(out) > len("ROMEO:")
     # Greedy decoding: HF's generate picks the tokens ours does.
     prompt = torch.tensor([tok.encode("ROMEO:")])

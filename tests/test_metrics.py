@@ -143,6 +143,13 @@ def test_metrics_log_rewrites_an_older_header_and_prints_one_line_per_row(tmp_pa
     assert (tmp_path / "ranks.csv").read_text().splitlines()[1].startswith("2,0,1000")
 
 
+def test_a_small_mfu_is_shown_to_two_digits_not_as_zero():
+    """bf16 on a CPU with AMX: its peak is 30x the fp32 one, and a small model's MFU read 0.0%."""
+    from pretrain.training.metrics import percent
+
+    assert [percent(x) for x in (0.0823, 0.01, 0.00043, 0.0)] == ["8.2%", "1.0%", "0.043%", "0.0%"]
+
+
 def test_plot_writes_a_labelled_png(tmp_path):
     log = MetricsLog(tmp_path, max_steps=100, out=io.StringIO())
     for step in range(10, 101, 10):
@@ -158,6 +165,24 @@ def test_plot_writes_a_labelled_png(tmp_path):
     assert img.shape[0] > 600 and img.shape[1] > 600
     with pytest.raises(Exception, match="no such file"):
         plot_run(tmp_path / "nope")
+
+
+def test_a_plot_of_one_logged_step_shows_its_points_and_no_val_legend(tmp_path):
+    """One metrics row drew three empty panels (a line of one point) and a "val" legend without val."""
+    log = MetricsLog(tmp_path, max_steps=100, out=io.StringIO())
+    log.log(25, loss=3.9, lr=1e-3, tokens_per_s=1000.0)
+    log.close()
+    import matplotlib.image
+    import numpy as np
+
+    img = matplotlib.image.imread(plot_run(tmp_path))[..., :3]
+
+    def pixels(rgb: tuple[int, int, int]) -> int:
+        return int((np.abs(img - np.array(rgb) / 255).max(axis=-1) < 0.08).sum())
+
+    # tab:blue (loss), tab:green (LR), tab:purple (tokens/s) points drawn; no tab:orange (val)
+    assert min(pixels(c) for c in ((31, 119, 180), (44, 160, 44), (148, 103, 189))) > 20
+    assert pixels((255, 127, 14)) == 0
 
 
 @pytest.mark.distributed
@@ -207,17 +232,17 @@ def test_train_writes_tensorboard_csv_and_a_plot(tmp_path):
     acc = EventAccumulator(str(events[0].parent))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for tag in ["Train/Samples/train_loss", "Train/Samples/lr", "Throughput/tokens_per_s", "Throughput/mfu",
-                "Time/fwd_bwd_s", "Memory/peak_gb_max_rank", "Eval/Samples/val_loss"]:  # fmt: skip
+    for tag in ["Train/train_loss", "Train/lr", "Throughput/tokens_per_s", "Throughput/mfu",
+                "Time/fwd_bwd_s", "Memory/peak_gb_max_rank", "Eval/val_loss"]:  # fmt: skip
         assert tag in tags, (tag, tags)
-    loss = acc.Scalars("Train/Samples/train_loss")
-    assert [e.step for e in loss] == [8, 16, 24, 32]  # samples seen: 4 per step
+    loss = acc.Scalars("Train/train_loss")
+    assert [e.step for e in loss] == [int(r["step"]) for r in rows]  # the optimizer step, as metrics.csv
     assert [e.value for e in loss] == pytest.approx([float(r["loss"]) for r in rows], rel=1e-5)
     # At the log steps, from the run's log: DeepSpeed's own per-step write (a flush each step) is off
-    lr = acc.Scalars("Train/Samples/lr")
-    assert [e.step for e in lr] == [8, 16, 24, 32]
+    lr = acc.Scalars("Train/lr")
+    assert [e.step for e in lr] == [int(r["step"]) for r in rows]
     assert [e.value for e in lr] == pytest.approx([float(r["lr"]) for r in rows], rel=1e-5)
-    assert (run_dir / "csv_monitor" / "Train_Samples_train_loss.csv").is_file()
+    assert (run_dir / "csv_monitor" / "Train_train_loss.csv").is_file()
 
     plotted = subprocess.run(
         [str(BIN / "pretrain"), "plot", str(run_dir)], env=env, capture_output=True, text=True, timeout=120
@@ -311,8 +336,8 @@ def test_wandb_run_has_the_config_and_name_and_a_resume_continues_it(tmp_path):
         assert config["model"]["n_embd"] == 32 and config["schedule"]["max_steps"] == 4 * (i + 1)
         assert config["world_size"] == 1
         steps = [r.history.step.num for r in records if r.WhichOneof("record_type") == "history"]
-        # DeepSpeed's monitor logs into it, by samples (4 a step): the resume goes on from step 4
-        assert steps and (min(steps) > 16 if i else max(steps) <= 16)
+        # DeepSpeed's monitor logs into it, by optimizer step: the resume goes on from step 4
+        assert steps and (min(steps) > 4 if i else max(steps) <= 4)
     assert run_events(run_dir) == [(4, "resume at step 4")]
     # DeepSpeed's own wandb.init set up its logs under the run dir too, not in the working directory
     assert not (tmp_path / "wandb").exists()

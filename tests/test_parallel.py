@@ -16,6 +16,7 @@ the first step.
 
 from __future__ import annotations
 
+import csv
 import shutil
 from pathlib import Path
 
@@ -75,6 +76,11 @@ def two_ranks(char_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> t
     out = tmp_path_factory.mktemp("par2")
     jobs = [
         {"name": "tp2", "run": "tp2", "overrides": [*ONE_DP, TP2]},
+        {
+            "name": "tp2_z0",
+            "run": "tp2_z0",
+            "overrides": [*ONE_DP, TP2, "zero.stage=0", "schedule.max_steps=4"],
+        },
         {"name": "pp2", "run": "pp2", "overrides": [*ONE_DP, PP2]},
         # each stage recomputes its layers' activations in backward (PipelineModule's checkpointing)
         {
@@ -120,6 +126,18 @@ def assert_close(got: list[float], want: list[float]) -> None:
 def test_two_rank_layouts_match_one_rank(one_rank, two_ranks, name):
     single = "single_llama" if name.endswith("llama") else "single"
     assert_close(losses(two_ranks[0][name]), losses(one_rank[0][single]))
+
+
+def test_tensor_parallel_at_zero_0_logs_the_gradient_norm_of_one_rank(one_rank, two_ranks):
+    """DeepSpeed reports no gradient norm at stage 0: the loop takes it, summing the squares of the
+    split gradients over the tensor group (TP2's log lines had no gnorm)."""
+
+    def norms(root: Path, run: str) -> list[float]:
+        with open(root / run / "metrics.csv") as f:
+            return [float(r["grad_norm"]) for r in csv.DictReader(f) if r["grad_norm"]][:4]
+
+    got, want = norms(two_ranks[1], "tp2_z0"), norms(one_rank[1], "single")
+    assert len(got) == 4 and got == pytest.approx(want, rel=1e-4), (got, want)
 
 
 def test_no_gradient_goes_through_a_broadcast(two_ranks):
@@ -235,6 +253,10 @@ def test_a_pipeline_checkpoint_is_refused_without_a_pipeline(char_dataset, two_r
     after = torchrun(2, 29567, char_dataset, tmp_path, jobs)
     err = after["flat"]["error"]
     assert "parallel.pipeline=2" in err and "pretrain export" in err, err
+    # convert's universal checkpoint changes the world size, not the pipeline: it says so
+    done = cli("convert", str(run / "checkpoints" / checkpoint.tag_for(10)))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "now continues it on any world size with parallel.pipeline=2" in done.stdout
 
 
 def test_a_deepspeed_json_with_autotp_size_trains(char_dataset, tmp_path):

@@ -157,6 +157,9 @@ ZERO_AUTO: dict[str, Callable[[int], int]] = {
     "stage3_prefetch_bucket_size": lambda hidden: int(0.9 * hidden * hidden),
     "stage3_param_persistence_threshold": lambda hidden: 10 * hidden,
 }
+# DeepSpeed reads the same two knobs under their field names too (pydantic aliases): one rule for both.
+ZERO_AUTO |= {"prefetch_bucket_size": ZERO_AUTO["stage3_prefetch_bucket_size"]}
+ZERO_AUTO |= {"param_persistence_threshold": ZERO_AUTO["stage3_param_persistence_threshold"]}
 
 
 def auto_paths(node: Any, prefix: str = "") -> list[str]:

@@ -31,6 +31,7 @@ from pretrain.config.ds_keys import (
     FP16_DEFAULTS,
     FP16_KEYS,
     MODELED_DEEPSPEED_KEYS,
+    MONITOR_DIRS,
     MONITORS,
     PIPELINE_KEYS,
     RECORD,
@@ -385,6 +386,9 @@ def read_scheduler(r: Reading, value: Any) -> None:
     if kind in _WARMUPS:
         _warmup_type(r, kind, args["warmup_type"], given)
         r.put("scheduler.type", "schedule", "deepspeed_timing", True)
+    if problem := _warmup_past_the_end(kind, args, defaulted="warmup_num_steps" not in given):
+        r.problems.append(problem)
+        return
     TRANSLATIONS[kind](r, args)
     if len(r.problems) == before:
         fields = [
@@ -403,6 +407,19 @@ def read_scheduler(r: Reading, value: Any) -> None:
             for section, key in [*fields, ("optimizer", "lr")]
         ]
         r.notes.append(f"scheduler {kind} became {', '.join(became)} ({_SHAPES[kind]})")
+
+
+def _warmup_past_the_end(kind: str, a: dict[str, Any], *, defaulted: bool) -> str | None:
+    """A warmup that does not end before the schedule does: the LR never reaches its peak. DeepSpeed
+    only warns (and WarmupDecayLR then divides by a negative decay length)."""
+    warmup, total = a.get("warmup_num_steps"), a.get("total_num_steps")
+    if not (is_whole(warmup) and is_whole(total)) or int(warmup) < int(total):  # type: ignore[arg-type]
+        return None
+    said = f"{warmup}, DeepSpeed's default: the JSON leaves it out" if defaulted else str(warmup)
+    return (
+        f"scheduler.params.warmup_num_steps ({said}) is not below total_num_steps ({total}): a {kind} run "
+        "would never reach warmup_max_lr. Lower warmup_num_steps, or raise total_num_steps"
+    )
 
 
 def _short(value: Any) -> str:
@@ -1092,6 +1109,14 @@ def _read_tensor_parallel(r: Reading, value: Any) -> None:
             r.extra.setdefault("tensor_parallel", {})[k] = v
 
 
+def _rendered_monitor_path(r: Reading, key: str, k: str) -> str:
+    """What pretrain renders for a monitor's output_path (the run dir) or job_name."""
+    if k == "job_name":
+        return MONITOR_DIRS[key]
+    preset = r.base.get("preset") or r.tree.get("preset") or ""
+    return str(r.current("logging", "run_dir")).format(preset=preset)
+
+
 def _foreign_partition(value: Any) -> bool:
     """Whether a partition_config is not the one pretrain renders (its layers and split types)."""
     from pretrain.config.ds_render import autotp_layer_specs
@@ -1161,5 +1186,11 @@ def _read_monitor(r: Reading, key: str, value: Any) -> None:
             r.put(f"{key}.{k}", "logging", key, v)
         elif key == "wandb":
             r.put(f"{key}.{k}", "logging", f"wandb_{k}", v)
+        elif v != AUTO and v != _rendered_monitor_path(r, key, k):
+            run_dir = _rendered_monitor_path(r, key, "output_path")
+            r.warnings.append(
+                f"{key}.{k} ({json.dumps(v)}): not used; pretrain writes {key} to {run_dir}/{MONITOR_DIRS[key]} "
+                "(logging.run_dir, the run's own directory): set logging.run_dir to write it elsewhere"
+            )
     if "enabled" not in section:
         r.put(key, "logging", key, False)  # DeepSpeed's default

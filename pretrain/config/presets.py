@@ -11,11 +11,13 @@ attention, no biases), and `llama-1b` is TinyLlama's 1.1B shape for GPU clusters
 from __future__ import annotations
 
 import copy
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from pretrain.config.ds_read import deepspeed_problems, recorded_run, tree_from_deepspeed
-from pretrain.config.hf import model_shape
+from pretrain.config.hf import SHAPE_FIELDS, model_shape
 from pretrain.config.tree import RunConfig, deep_merge, load_file, merge_layer, parse_override, validate
 from pretrain.errors import CheckpointError, ConfigError
 
@@ -234,6 +236,7 @@ def build(
     ds_file: str | Path | None = None,
     overrides: list[str] | None = None,
     world_size: int | None = None,
+    resume: bool = False,
 ) -> RunConfig:
     """A run's config: the preset < the config file < the DeepSpeed JSON < the overrides, validated
     once for `world_size` (None: the batch's data_parallel_size stays unresolved).
@@ -269,6 +272,7 @@ def build(
             problems += e.problems
     if problems:
         raise ConfigError(problems, "override")
+    tree: dict[str, Any] = {}
     if ds is not None:
         # "auto" in the JSON resolves against the tree without it: the layers below, and the overrides
         tree = tree_from_deepspeed(
@@ -276,8 +280,10 @@ def build(
         )
         data = merge_layer(data, tree)
     data = merge_layer(data, over)
+    if not any("warmup_steps" in layer.get("schedule", {}) for layer in (file_data, tree, over)):
+        data = with_preset_warmup_fitted(data, base)
     try:
-        data = with_init_from_shape(data)
+        data = with_init_from_shape(data, resume=resume)
     except CheckpointError as e:  # the directory's config.json: reported with the rest of the config
         try:
             validate(data, world_size)
@@ -287,17 +293,72 @@ def build(
     return validate(data, world_size)
 
 
-def with_init_from_shape(data: dict[str, Any]) -> dict[str, Any]:
+def with_preset_warmup_fitted(data: dict[str, Any], preset: dict[str, Any]) -> dict[str, Any]:
+    """`data` with the preset's warmup scaled to a run too short for it (`--set schedule.max_steps=3`
+    on a preset that warms up over 100), as nanoGPT's and litgpt's quick runs are accepted: the share
+    of the run the preset warms up over, said in one line. A warmup anyone set stays as set (and an
+    error where it does not fit)."""
+    sched, was = data.get("schedule", {}), preset.get("schedule", {})
+    warmup, steps, preset_steps = sched.get("warmup_steps"), sched.get("max_steps"), was.get("max_steps")
+    bounded = sched.get("decay", "cosine") != "constant" and not sched.get("deepspeed_timing", False)
+    if not (bounded and all(isinstance(x, int) and x > 0 for x in (warmup, steps, preset_steps))):
+        return data
+    assert isinstance(warmup, int) and isinstance(steps, int) and isinstance(preset_steps, int)
+    if warmup < steps:
+        return data
+    fitted = min(warmup * steps // preset_steps, steps - 1)
+    if fitted == 1 and sched.get("warmup_type", "linear") == "log":
+        fitted = 0  # a log warmup needs 0 or at least 2 steps
+    _note(
+        f"schedule.warmup_steps: the preset's {warmup} do not fit schedule.max_steps {steps}: {fitted}, the "
+        f"preset's share of the run ({warmup} of {preset_steps}); set schedule.warmup_steps to choose"
+    )
+    return {**data, "schedule": {**sched, "warmup_steps": fitted}}
+
+
+_NOTED: set[str] = set()  # a command may build its config more than once: each note is said once
+
+
+def _note(text: str) -> None:
+    if text not in _NOTED and os.environ.get("RANK", "0") == "0":
+        _NOTED.add(text)
+        print(f"note: {text}", file=sys.stderr)
+
+
+def with_init_from_shape(data: dict[str, Any], *, resume: bool = False) -> dict[str, Any]:
     """`data` with the model's shape taken from the Hugging Face config.json of `model.init_from`
     where its `config` is true, before validation: the batch (a global batch in tokens), the
-    parallel layout and `plan` all see the shape the run will have. The rest stays as given."""
+    parallel layout and `plan` all see the shape the run will have. The rest stays as given. A
+    resume takes the checkpoint's weights, not the directory's: where the directory can no longer be
+    read, the shape is the one the run recorded at its start (its run dir's config.yaml)."""
     model = data.get("model")
     if not isinstance(model, dict):
         return data
     spec = model.get("init_from")
     if not (isinstance(spec, dict) and spec.get("config") is True and isinstance(spec.get("path"), str)):
         return data
-    return {**data, "model": {**model, **model_shape(spec["path"])}}
+    try:
+        shape = model_shape(spec["path"])
+    except CheckpointError:
+        recorded = _recorded_model(data) if resume else None
+        if recorded is None:
+            raise
+        shape = {k: recorded[k] for k in SHAPE_FIELDS if k in recorded}
+    return {**data, "model": {**model, **shape}}
+
+
+def _recorded_model(data: dict[str, Any]) -> dict[str, Any] | None:
+    """The model section of the run dir's config.yaml (written at a run's start), if there is one."""
+    logging, preset = data.get("logging", {}), data.get("preset", "")
+    run_dir = logging.get("run_dir") if isinstance(logging, dict) else None
+    if not isinstance(run_dir, str):
+        return None
+    try:
+        recorded = load_file(Path(run_dir.format(preset=preset)) / "config.yaml")
+    except (ConfigError, OSError, KeyError, ValueError):
+        return None
+    model = recorded.get("model")
+    return model if isinstance(model, dict) else None
 
 
 def build_checked(ds_file: str | Path | None = None, **build_args: Any) -> RunConfig:

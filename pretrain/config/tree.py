@@ -62,7 +62,10 @@ class Section(BaseModel):
 
     @model_validator(mode="after")
     def _check(self, info: ValidationInfo) -> Section:
-        problems = self.broken_rules(info.context or {})
+        context = info.context or {}
+        if context.get("rules_later"):  # `validate`'s second pass: the rules are asked for afterwards
+            return self
+        problems = self.broken_rules(context)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -696,6 +699,8 @@ class BatchConfig(Section):
             return [
                 f"global_batch_sequences ({g_seq}) and global_batch_tokens ({g_tok}) both given: give one"
             ]
+        if dp is None and block_size is not None:
+            return self._global_batch_without_world(block_size)
         if (g_tok is not None and block_size is None) or (g_seq is None and g_tok is None) or dp is None:
             return []  # no global batch, or nothing yet to derive the accumulation from
         micro, acc = self.micro_batch_size, self.gradient_accumulation_steps
@@ -731,6 +736,40 @@ class BatchConfig(Section):
             f"{name} ({given}) is not a multiple of micro_batch_size ({micro}) x data_parallel_size ({dp})"
             f"{times_block} = {unit}, so no whole gradient_accumulation_steps gives it: the nearest "
             f"{name} that divide are {nearest}{keep}"
+        ]
+
+    def _global_batch_without_world(self, block_size: int) -> list[str]:
+        """Without a world size (`pretrain config`): a global batch that no world size gives, as
+        `render` and `train` would refuse it for theirs. Not a whole number of sequences; or not a
+        multiple of the micro batch (x the accumulation, where one is given beside it)."""
+        g_seq, g_tok = self.global_batch_sequences, self.global_batch_tokens
+        if g_tok is not None and g_tok % block_size:
+            below, above = g_tok // block_size * block_size, (g_tok // block_size + 1) * block_size
+            near = f"{below} or {above}" if below else str(above)
+            return [
+                f"global_batch_tokens ({g_tok}) is not a whole number of sequences of model.block_size "
+                f"({block_size}): the nearest that are, {near}"
+            ]
+        seqs = global_sequences(g_seq, g_tok, block_size)
+        if seqs is None:
+            return []
+        micro, given = self.micro_batch_size, "gradient_accumulation_steps" in self.model_fields_set
+        per_rank = micro * (self.gradient_accumulation_steps if given else 1)
+        if seqs % per_rank == 0:
+            return []
+        name = "global_batch_tokens" if g_tok is not None else "global_batch_sequences"
+        value = g_tok if g_tok is not None else g_seq
+        if given:
+            return [
+                f"{name} ({value}) and gradient_accumulation_steps ({self.gradient_accumulation_steps}) disagree "
+                f"whatever the world size: {seqs} sequences are not a multiple of micro_batch_size ({micro}) x "
+                f"{self.gradient_accumulation_steps}. Give one of them: a global batch derives the accumulation "
+                "for the world size at hand"
+            ]
+        of = f" ({seqs} sequences)" if g_tok is not None else ""
+        return [
+            f"{name} ({value}){of} is not a multiple of micro_batch_size ({micro}): no world size gives it a "
+            "whole gradient_accumulation_steps. Change micro_batch_size or the global batch"
         ]
 
     @property
@@ -1294,16 +1333,25 @@ def parse_override(item: str) -> dict[str, Any]:
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last) and
-    a number with a leading zero, which YAML 1.1 reads as octal (`n_layer: 010` is 8)."""
+    an integer that is not plain decimal, which YAML 1.1 reads in another base: a leading zero as
+    octal (`n_layer: 010` is 8), `0x10` as hexadecimal (16), `0b11` as binary (3), `1:30` as
+    base 60 (90)."""
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
         text = str(node.value).replace("_", "").lstrip("+-")
+        value = int(super().construct_yaml_int(node))
         if len(text) > 1 and text[0] == "0" and text[1].isdigit():
             raise yaml.constructor.ConstructorError(
                 None, None, f"{node.value}: a number with a leading 0 reads as octal in YAML "
-                f"({super().construct_yaml_int(node)}); write it without the 0", node.start_mark,
+                f"({value}); write it without the 0", node.start_mark,
             )  # fmt: skip
-        return int(super().construct_yaml_int(node))
+        base = {"0x": "hexadecimal", "0b": "binary"}.get(text[:2].lower(), "base 60" if ":" in text else None)
+        if base is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{node.value}: YAML reads this as a {base} number ({value}); write it in "
+                f"decimal ({value}), or quote it where text is meant", node.start_mark,
+            )  # fmt: skip
+        return value
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
@@ -1420,18 +1468,31 @@ def validate(data: dict[str, Any], world_size: int | None = None, source: str = 
     try:
         return RunConfig.model_validate(data, context=context)
     except ValidationError as e:
-        problems = []
-        for err in e.errors():
-            where = _loc(err["loc"])
-            msg = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "extra_forbidden":
-                msg = f"unknown field{did_you_mean(str(err['loc'][-1]), _fields_at(err['loc'][:-1]))}"
-            elif "input" in err and err["type"] not in ("value_error", "missing"):
-                got = repr(err["input"])
-                msg = f"{msg} (got {got[:200]}{'...' if len(got) > 200 else ''})"
-            for part in msg.split("; ") if err["type"] == "value_error" else [msg]:
-                problems.append(f"{where}: {part}" if where else part)
+        problems = _problems(e)
+    # A section's own rule that fails keeps pydantic from the rules across sections (RunConfig's):
+    # where every field is valid, ask for those too, so every problem is listed at once.
+    try:
+        partial = RunConfig.model_validate(data, context={**context, "rules_later": True})
+    except ValidationError:
         raise ConfigError(problems, source) from None
+    problems += [p for p in partial.broken_rules(context) if p not in problems]
+    raise ConfigError(problems, source)
+
+
+def _problems(e: ValidationError) -> list[str]:
+    """pydantic's errors as the config's problems, one line each, where each was found."""
+    problems = []
+    for err in e.errors():
+        where = _loc(err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown field{did_you_mean(str(err['loc'][-1]), _fields_at(err['loc'][:-1]))}"
+        elif "input" in err and err["type"] not in ("value_error", "missing"):
+            got = repr(err["input"])
+            msg = f"{msg} (got {got[:200]}{'...' if len(got) > 200 else ''})"
+        for part in msg.split("; ") if err["type"] == "value_error" else [msg]:
+            problems.append(f"{where}: {part}" if where else part)
+    return problems
 
 
 def _parallel_context(data: dict[str, Any]) -> dict[str, int]:

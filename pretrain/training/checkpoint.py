@@ -157,8 +157,8 @@ def preflight(ckpt_dir: Path, *, need_bytes: int, keep: int, group: Any) -> None
         for note in dict.fromkeys(n for _, ns in reports for n in ns):
             print(note, flush=True)
         for leftover in ckpt_dir.iterdir():
-            if leftover.name.startswith((_TMP, _TRASH)) and leftover.is_dir():
-                shutil.rmtree(leftover, ignore_errors=True)
+            if leftover.name.startswith((_TMP, _TRASH)) and (leftover.is_dir() or leftover.is_symlink()):
+                _discard(leftover)
     barrier(group)
 
 
@@ -397,12 +397,13 @@ def save(
             files=files,
         )
         write_atomic(tmp_dir / META, json.dumps(seal(meta), indent=1) + "\n")
-        final = ckpt_dir / tag
-        if final.exists():  # an earlier save of this step that never became `latest`
-            final.rename(ckpt_dir / f"{_TRASH}{tag}-{os.getpid()}")
+        final, aside = ckpt_dir / tag, ckpt_dir / f"{_TRASH}{tag}-{os.getpid()}"
+        if final.exists() or final.is_symlink():  # an earlier save of this step that never became `latest`
+            final.rename(aside)
         tmp_dir.rename(final)
         fsync_dir(ckpt_dir)
         write_atomic(ckpt_dir / LATEST, tag + "\n")
+        _discard(aside)
         prune(ckpt_dir, policy)
     barrier(group)
     return tag
@@ -435,9 +436,19 @@ def prune(ckpt_dir: Path, policy: CheckpointConfig) -> list[str]:
         if t not in keep:
             trash = ckpt_dir / f"{_TRASH}{t}"
             (ckpt_dir / t).rename(trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            _discard(trash)
             removed.append(t)
     return removed
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint set aside for deletion. A link (a checkpoint kept elsewhere and linked
+    in) is removed, not what it points to: that directory may be another run's or a shared copy,
+    and rmtree refuses a link, which stayed behind as `.trash-step_N`."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -175,7 +175,8 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
     end = _end_step(run, progress)  # max_steps, or the step at which the tokens seen reach max_tokens
     with Sentinel(cfg, dist, start_step) as sentinel:  # watchdog, stop signal, faults
         run_state = checkpoint.run_state(cfg, run.datasets, dist.is_main)
-        log, peak = _open_log(run, start_step, end)  # peak: the device's TFLOP/s per rank, for the MFU
+        # peak: the device's TFLOP/s per rank, for the MFU
+        log, peak = _open_log(run, start_step, end, elapsed_before=progress.elapsed_hours * 3600)
         interval = Interval(run.engine.device)
         interval.carry_in(
             progress.loss_window, dist.rank, dist.world_size, cfg.batch.gradient_accumulation_steps
@@ -194,6 +195,8 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
                 f"schedule.max_hours ({max_hours:g}) is spent: the run has trained {clock.before:.4g} h up to "
                 f"step {progress.step}; raise schedule.max_hours to train on"
             )
+        elif progress.step >= end:
+            dist.log(_nothing_to_train(run, progress))
         while progress.step < end and not out_of_time:
             step = progress.step  # the steps done; this one is step + 1
             log_due = cfg.logging.log_due(step + 1, end)
@@ -299,8 +302,10 @@ def train_step(
                 # Stage 0 in fp32: one foreach pass clips the (already reduced) gradients and gives
                 # the norm, with no all_reduce of a norm every rank already has (DeepSpeed's way).
                 grad_norm = torch.nn.utils.clip_grad_norm_(run.params, cfg.optimizer.grad_clip, foreach=True)
-            elif want_grad_norm and cfg.zero.stage == 0 and cfg.parallel.tensor == 1:
-                grad_norm = _grad_norm(engine.module)  # DeepSpeed does not report it at stage 0
+            elif want_grad_norm and cfg.zero.stage == 0:
+                grad_norm = _grad_norm(
+                    engine.module, tensor=cfg.parallel.tensor > 1
+                )  # DeepSpeed reports none
         timer.phase("optimizer")
         engine.step()
     timer.stop()
@@ -346,17 +351,17 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
     from, then the engine and the loaders."""
     datasets = open_datasets(cfg.data)  # data.blend's, or the one prepared; tokenizer checked
     tokenizer = load_tokenizer(datasets[0].dir / TOKENIZER_FILE, cfg.data.tokenizer_path)
-    weights = None
+    weights, unusable = None, None
     if cfg.model.init_from is not None:  # read as far as its headers; the model's shape from it if asked
-        weights = init_from.open_source(cfg.model.init_from)
-        if cfg.model.init_from.config:
-            cfg = init_from.apply_config(cfg, weights)
-        init_from.check_tokenizer(
-            weights, tokenizer, datasets[0].manifest["tokenizer"]["fingerprint"], cfg.data.tokenizer
-        )
+        try:
+            cfg, weights = init_from.open_checked(
+                cfg, tokenizer, datasets[0].manifest["tokenizer"]["fingerprint"]
+            )
+        except CheckpointError as e:
+            if not resume:
+                raise
+            unusable = e  # a resume takes the checkpoint's weights: said below only if there is none
     cfg = resolve_vocab(cfg, tokenizer.vocab_size)
-    if weights is not None:
-        init_from.check(weights, cfg.model)
     ds_config = available_monitors(render_deepspeed(cfg), warn=dist.is_main)
     check_with_deepspeed(ds_config)
     run_dir = cfg.run_dir()
@@ -401,6 +406,8 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
             checkpoint.place_resume(ckpt_dir, resume_from, spec, group=ctrl, report=dist.log)
         else:
             dist.log(f"no checkpoint to resume from in {ckpt_dir}: starting at step 0")
+    if unusable is not None and resume_from is None:
+        raise unusable  # no checkpoint: the run starts from init_from, which cannot be used
     # The run's record, once nothing above refused the run: a refused run writes none.
     refused = None
     if dist.is_main:
@@ -418,12 +425,16 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
             {**cfg.model_dump(mode="json"), "world_size": dist.world_size},
             bool(resume),  # --resume, or a supervised restart: the same W&B run
         )
-    if weights is not None and resume_from is not None:
-        dist.log(f"model.init_from {weights.dir}: not loaded, the checkpoint's weights win on a resume")
+    if cfg.model.init_from is not None and resume_from is not None:
+        where = weights.dir if weights is not None else cfg.model.init_from.path
+        dist.log(f"model.init_from {where}: not loaded, the checkpoint's weights win on a resume")
         weights = None
     elif weights is not None:
         dist.log(f"model.init_from: the weights of {weights.dir} ({weights.architecture})")
-    engine = ds_engine.initialize(cfg, ds_engine.build_model(cfg, ds_config, weights), ds_config)
+    model = ds_engine.build_model(cfg, ds_config, weights)
+    if weights is not None:  # a NaN or inf that any rank read stops every rank, before DeepSpeed starts
+        init_from.finite_or_error(weights, gather(weights.non_finite, ctrl))
+    engine = ds_engine.initialize(cfg, model, ds_config)
     b = cfg.batch
     # The ranks of one tensor-parallel group, and of one pipeline, read the same batches: the
     # data-parallel group's, which is DeepSpeed's (checked against the engine's groups).
@@ -513,6 +524,17 @@ def _end_step(run: Run, progress: Progress) -> int:
     return min(s.max_steps, progress.step + -(-left // run.tokens_per_step))
 
 
+def _nothing_to_train(run: Run, progress: Progress) -> str:
+    """What a resume whose budget is already spent says (it ran, logged nothing and exited 0)."""
+    s = run.cfg.schedule
+    if s.max_tokens is not None and progress.tokens_seen >= s.max_tokens:
+        spent = f"schedule.max_tokens ({s.max_tokens:,}): {progress.tokens_seen:,} tokens seen"
+        fix = "schedule.max_tokens"
+    else:
+        spent, fix = f"schedule.max_steps ({s.max_steps})", "schedule.max_steps"
+    return f"nothing to train: the run resumed at step {progress.step}, which reaches {spent}; raise {fix} to train on"
+
+
 def _ended_by(run: Run, progress: Progress, signum: int, out_of_time: bool) -> str:
     """What ended the run: the signal, max_hours, max_tokens or max_steps."""
     max_tokens = run.cfg.schedule.max_tokens
@@ -531,7 +553,9 @@ def _start(run: Run) -> Progress:
     return progress
 
 
-def _open_log(run: Run, start_step: int, end: int) -> tuple[MetricsLog, float | None]:
+def _open_log(
+    run: Run, start_step: int, end: int, *, elapsed_before: float
+) -> tuple[MetricsLog, float | None]:
     """The metrics log, and the device peak (TFLOP/s per rank) that MFU is measured against: model
     FLOPs per token (6N + attention) against the device's peak, known to rank 0."""
     cfg, dist, engine = run.cfg, run.dist, run.engine
@@ -565,6 +589,7 @@ def _open_log(run: Run, start_step: int, end: int) -> tuple[MetricsLog, float | 
         monitor=quiet_monitor(engine),
         start_step=start_step,
         progress=cfg.logging.progress_bar,
+        elapsed_before=elapsed_before,
     )
     return log, peak_tflops
 
@@ -597,7 +622,7 @@ def _evaluate(run: Run, log: MetricsLog, sentinel: Sentinel, *, step: int) -> fl
     val_loss, val_ppl = evaluate(
         run.engine, run.val_data, run.cfg.logging.eval_batches, pipelined=run.pipelined
     )
-    log.log(step, samples=int(run.engine.global_samples), val_loss=val_loss, val_ppl=val_ppl)
+    log.log(step, val_loss=val_loss, val_ppl=val_ppl)
     return val_loss
 
 
@@ -668,6 +693,8 @@ def _finish(
             f"stopped by schedule.max_hours ({run.cfg.schedule.max_hours:g}) at step {progress.step}; to train "
             "on, resume with --resume auto and a larger schedule.max_hours"
         )
+    elif progress.step == start_step:
+        pass  # nothing trained (a spent budget, said at start): no sample of what was there
     elif cfg.sample_tokens > 0 and run.pipelined:
         dist.log(
             "no final sample from a pipeline (each stage holds part of the model): pretrain sample RUN_DIR"
@@ -721,12 +748,11 @@ def _log(
     )
     norm = grad_norm if grad_norm is not None else engine.get_global_grad_norm()
     loss_scale = getattr(engine.optimizer, "loss_scale", None) if cfg.precision.fp16 else None
-    samples = int(engine.global_samples)
     values = dict(
         lr=lr, grad_norm=_float(norm), loss_scale=_float(loss_scale), tokens_seen=progress.tokens_seen
     )
-    log.log(progress.step, samples=samples, **values, **row)
-    log.log_ranks(progress.step, per_rank, samples=samples)
+    log.log(progress.step, **values, **row)
+    log.log_ranks(progress.step, per_rank)
     log.progress(progress.step, row["loss"], row["tokens_per_s"])
     return float(row["loss"])
 
@@ -799,10 +825,25 @@ def _restore(run: Run, ckpt: checkpoint.Checkpoint, progress: Progress) -> None:
     dist.log(f"resumed from {ckpt.path} at step {progress.step} ({how}RNG {rng})")
 
 
-def _grad_norm(module: torch.nn.Module) -> torch.Tensor | None:
-    """Global L2 norm of the (reduced, unclipped) gradients, left on the device: no host sync here."""
-    norms = [p.grad.detach().float().norm() for p in module.parameters() if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(norms)) if norms else None
+def _grad_norm(module: torch.nn.Module, *, tensor: bool = False) -> torch.Tensor | None:
+    """Global L2 norm of the (reduced, unclipped) gradients, left on the device: no host sync here.
+    With tensor parallelism (`tensor`) a split parameter's gradient is a shard: their squares are
+    summed over the tensor-parallel group (one all_reduce), the whole ones counted once."""
+    if not tensor:
+        norms = [p.grad.detach().float().norm() for p in module.parameters() if p.grad is not None]
+        return torch.linalg.vector_norm(torch.stack(norms)) if norms else None
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+    from deepspeed.utils import groups
+
+    whole: list[torch.Tensor] = []
+    split: list[torch.Tensor] = []
+    for p in module.parameters():
+        if p.grad is not None:
+            (split if is_model_parallel_parameter(p) else whole).append(p.grad.detach().float().pow(2).sum())
+    dev = next(module.parameters()).device
+    total, shards = (torch.stack(xs).sum() if xs else torch.zeros((), device=dev) for xs in (whole, split))
+    torch.distributed.all_reduce(shards, group=groups.get_tensor_model_parallel_group())
+    return (total + shards).sqrt()
 
 
 def _float(x: Any) -> float | None:

@@ -253,15 +253,15 @@ def summarize(
 # ---------------------------------------------------------------------------------------------
 # Where the numbers go
 
-# metrics.csv column -> monitor tag. DeepSpeed's own monitor events are "Train/Samples/<name>"
-# against samples seen; these follow it, so TensorBoard and W&B share one x axis. DeepSpeed's
-# per-step writes of lr and loss_scale are turned off (`quiet_monitor`): they come from here, at
-# the log steps, with the rest.
+# metrics.csv column -> monitor tag, against the optimizer step, the x axis of the console, metrics.csv
+# and `pretrain plot` (DeepSpeed's own "Train/Samples/<name>" events count samples: another axis).
+# DeepSpeed's per-step writes of lr and loss_scale are turned off (`quiet_monitor`): they come from
+# here, at the log steps, with the rest.
 _TAGS = {
-    "loss": "Train/Samples/train_loss",
-    "lr": "Train/Samples/lr",
-    "loss_scale": "Train/Samples/loss_scale",
-    "grad_norm": "Train/Samples/grad_norm",
+    "loss": "Train/train_loss",
+    "lr": "Train/lr",
+    "loss_scale": "Train/loss_scale",
+    "grad_norm": "Train/grad_norm",
     "tokens_per_s": "Throughput/tokens_per_s",
     "tokens_per_s_per_rank": "Throughput/tokens_per_s_per_rank",
     "samples_per_s": "Throughput/samples_per_s",
@@ -271,8 +271,8 @@ _TAGS = {
     "fwd_bwd_s": "Time/fwd_bwd_s",
     "optimizer_s": "Time/optimizer_s",
     "peak_mem_gb": "Memory/peak_gb_max_rank",
-    "val_loss": "Eval/Samples/val_loss",
-    "val_ppl": "Eval/Samples/val_ppl",
+    "val_loss": "Eval/val_loss",
+    "val_ppl": "Eval/val_ppl",
 }
 
 
@@ -350,6 +350,12 @@ def _phase_split(row: dict[str, Any]) -> str:
     return f"{row['step_time_s'] * 1000:.0f} ms/step (data/fwd+bwd/opt {split})"
 
 
+def percent(x: float) -> str:
+    """A share as a percentage, to a tenth of a point, or to two significant digits below 1% (a CPU's
+    bf16 peak, AMX's, is 30x its fp32 one: a small model's MFU read 0.0%)."""
+    return f"{100 * x:.1f}%" if 100 * x >= 1 or x == 0 else f"{100 * x:.2g}%"
+
+
 # The stdout line of a log step: each part shown when its key is in the row.
 _LINE: list[tuple[str, Any]] = [
     ("loss", lambda r: f"loss {r['loss']:.4f}"),
@@ -358,7 +364,7 @@ _LINE: list[tuple[str, Any]] = [
     ("grad_norm", lambda r: f"gnorm {r['grad_norm']:.3f}"),
     ("loss_scale", lambda r: f"scale {r['loss_scale']:g}"),
     ("tokens_per_s", lambda r: f"{r['tokens_per_s']:,.0f} tok/s"),
-    ("mfu", lambda r: f"mfu {100 * r['mfu']:.1f}%"),
+    ("mfu", lambda r: f"mfu {percent(r['mfu'])}"),
     ("step_time_s", _phase_split),
     ("peak_mem_gb", lambda r: f"peak {r['peak_mem_gb']:.2f} GB"),
 ]
@@ -378,12 +384,14 @@ class MetricsLog:
         start_step: int = 0,
         progress: bool | str = False,
         world_size: int | None = None,
+        elapsed_before: float = 0.0,
     ) -> None:
         self.enabled = enabled
         self.max_steps = max_steps
         self.out = out
         self.monitor = monitor  # from quiet_monitor: None when no monitor is on
-        self.start = time.perf_counter()
+        # elapsed_s counts across resumes: the seconds of training the checkpoint resumed had
+        self.start = time.perf_counter() - elapsed_before
         self.path = run_dir / "metrics.csv"
         self.bar: Any = None
         if not enabled:
@@ -412,16 +420,16 @@ class MetricsLog:
                 total=max_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr
             )
 
-    def log(self, step: int, samples: int | None = None, **values: Any) -> None:
-        """One row of metrics.csv, a line on stdout and (with `samples`, the x axis) monitor events."""
+    def log(self, step: int, **values: Any) -> None:
+        """One row of metrics.csv, a line on stdout and monitor events, all at optimizer step `step`."""
         if not self.enabled:
             return
         try:
-            self._log(step, samples, **values)
+            self._log(step, **values)
         except OSError as e:
             raise write_failed(self.path, e) from None
 
-    def _log(self, step: int, samples: int | None = None, **values: Any) -> None:
+    def _log(self, step: int, **values: Any) -> None:
         elapsed = time.perf_counter() - self.start
         row = {"step": step, "elapsed_s": round(elapsed, 3), **values}
         self._csv.writerow({k: _fmt(row.get(k)) for k in FIELDS})
@@ -432,14 +440,12 @@ class MetricsLog:
         else:
             self.out.write(line + "\n")
             self.out.flush()
-        if self.monitor is not None and samples is not None:
-            events = [
-                (_TAGS[k], float(v), samples) for k, v in values.items() if k in _TAGS and v is not None
-            ]
+        if self.monitor is not None:
+            events = [(_TAGS[k], float(v), step) for k, v in values.items() if k in _TAGS and v is not None]
             if events:
                 self.monitor.write_events(events)  # one call: DeepSpeed's TensorBoard flushes per call
 
-    def log_ranks(self, step: int, rows: list[dict[str, Any]], samples: int | None = None) -> None:
+    def log_ranks(self, step: int, rows: list[dict[str, Any]]) -> None:
         if not self.enabled:
             return
         try:
@@ -448,11 +454,11 @@ class MetricsLog:
             self._rank_file.flush()
         except OSError as e:
             raise write_failed(self.path.with_name("ranks.csv"), e) from None
-        if self.monitor is not None and samples is not None and len(rows) > 1:
+        if self.monitor is not None and len(rows) > 1:
             events = []
             for r in rows:
-                events.append((f"Memory/peak_gb_rank{r['rank']}", float(r["peak_mem_gb"]), samples))
-                events.append((f"Throughput/tokens_per_s_rank{r['rank']}", float(r["tokens_per_s"]), samples))
+                events.append((f"Memory/peak_gb_rank{r['rank']}", float(r["peak_mem_gb"]), step))
+                events.append((f"Throughput/tokens_per_s_rank{r['rank']}", float(r["tokens_per_s"]), step))
             self.monitor.write_events(events)
 
     def progress(self, step: int, loss: float | None = None, tokens_per_s: float | None = None) -> None:
