@@ -6,7 +6,7 @@ Starts itself under torchrun with 2 ranks. For each model: one training step (so
 moments exist; short sequences, the model keeps its shape), then `checkpoint.save` (DeepSpeed's
 files on every rank, fsync and sha256 of each, the meta file, rename, `latest`), validation of the
 newest checkpoint as `--resume auto` does it (sizes and sha256, shared out over the ranks), and
-`checkpoint.load` into the engine (weights-only). Prints the best of --repeats of each, the size
+`resume.load` into the engine (weights-only). Prints the best of --repeats of each, the size
 on disk against `checkpoint.estimate_bytes` (what the start-up free-space check asks for), and the
 time `pretrain export` takes to consolidate the weights (rank 0 alone).
 """
@@ -48,15 +48,16 @@ def main(args: argparse.Namespace) -> None:
     import torch.distributed as tdist
 
     from pretrain.config.ds_render import render_deepspeed
+    from pretrain.config.layout import Layout
     from pretrain.config.presets import build
     from pretrain.config.tree import analytic_num_params
     from pretrain.export import consolidated_state_dict
-    from pretrain.training import checkpoint, guards
+    from pretrain.training import checkpoint, ranks, resume
     from pretrain.training import engine as ds_engine
 
-    dist = ds_engine.launch_env()
-    ds_engine.init_distributed(dist)
-    group = guards.control_group()
+    dist = ranks.launch_env()
+    ranks.init_distributed(dist)
+    group = ranks.control_group()
     root = Path(args.dir)
     rows = []
     for name in args.models.split(","):
@@ -111,13 +112,17 @@ def main(args: argparse.Namespace) -> None:
             save_s.append(time.perf_counter() - t)
             tdist.barrier()
             t = time.perf_counter()
-            found = checkpoint.find(
-                ckpt_dir, "auto", world_size=dist.world_size, zero_stage=2, checksums=True, group=group
+            found = resume.find(
+                ckpt_dir,
+                "auto",
+                layout=Layout(data=dist.world_size, zero_stage=2),
+                checksums=True,
+                group=group,
             )
             verify_s.append(time.perf_counter() - t)
             assert found is not None and found.step == step
             t = time.perf_counter()
-            checkpoint.load(eng, found)
+            resume.load(eng, found)
             tdist.barrier()
             load_s.append(time.perf_counter() - t)
         meta = checkpoint.read_meta(ckpt_dir / checkpoint.tag_for(args.repeats))

@@ -41,11 +41,12 @@ from pretrain.config.presets import build  # noqa: E402
 from pretrain.config.tree import RunConfig, analytic_flops_per_token  # noqa: E402
 from pretrain.data.dataset import resolve_vocab  # noqa: E402
 from pretrain.data.prepare import prepare  # noqa: E402
-from pretrain.training import engine  # noqa: E402
-from pretrain.training.guards import Faults  # noqa: E402
-from pretrain.training.loop import setup, train_step  # noqa: E402
+from pretrain.training import ranks  # noqa: E402
+from pretrain.training.faults import Faults  # noqa: E402
+from pretrain.training.loop import train_step  # noqa: E402
 from pretrain.training.metrics import PhaseTimer, peak_memory_bytes, quiet_monitor  # noqa: E402
 from pretrain.training.model import GPT  # noqa: E402
+from pretrain.training.run import setup  # noqa: E402
 from pretrain.training.schedule import lr_at  # noqa: E402
 
 VOCAB = 50304  # GPT-2's 50257 rounded up to a multiple of 64, as nanoGPT does
@@ -113,7 +114,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def ours(cfg: RunConfig, dist: engine.Dist) -> tuple[Callable[[int], torch.Tensor], torch.device]:
+def ours(cfg: RunConfig, dist: ranks.Dist) -> tuple[Callable[[int], torch.Tensor], torch.device]:
     run = setup(cfg, dist, None)
     quiet_monitor(run.engine)  # as train() does: its log, not the engine, writes to the monitor
     timer, faults = PhaseTimer(run.engine.device), Faults(cfg.run_dir(), 1, env={})
@@ -237,8 +238,8 @@ def main() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if "--rounds" not in sys.argv:
             args.rounds, args.steps, args.warmup, args.micro_batch = 2, 2, 2, 2
-    dist = engine.launch_env()
-    engine.init_distributed(dist)
+    dist = ranks.launch_env()
+    ranks.init_distributed(dist)
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu_gpt2_"))
     if dist.is_main and not args.ours_only:
         (work / "corpus.txt").parent.mkdir(parents=True, exist_ok=True)
@@ -277,4 +278,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    engine.leave_distributed()  # not after an error: another rank may be inside a collective
+    ranks.leave_distributed()  # not after an error: another rank may be inside a collective

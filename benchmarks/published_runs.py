@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import statistics
 
-from pretrain.cli import deepspeed_logs_to_stderr
 from pretrain.cluster.evidence import FWD_BWD_EFFICIENCY, PUBLISHED, size_class
 from pretrain.cluster.published import implied_efficiency, planned
+from pretrain.logs import deepspeed_logs_to_stderr
 
 GIB = 2**30 / 1e9  # GB in a GiB
 

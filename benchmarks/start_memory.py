@@ -65,10 +65,10 @@ def worker(args: argparse.Namespace) -> None:
 
     from pretrain.config.ds_render import render_deepspeed
     from pretrain.config.presets import build
-    from pretrain.training import engine
+    from pretrain.training import engine, ranks
 
-    dist = engine.launch_env()
-    engine.init_distributed(dist)
+    dist = ranks.launch_env()
+    ranks.init_distributed(dist)
     _, overrides, whole = LAYOUTS[args.layout]
     cfg = build("tiny", overrides=[*shape(args), *overrides], world_size=dist.world_size)
     ds_config = render_deepspeed(cfg)
@@ -76,7 +76,7 @@ def worker(args: argparse.Namespace) -> None:
     tdist.barrier()
     before = _kib("VmRSS")
     # tp2-whole: the GPT built whole, for DeepSpeed's engine to shard it inside initialize
-    model = engine.build_gpt(cfg, ds_config, engine.device()) if whole else engine.build_model(cfg, ds_config)
+    model = engine.build_gpt(cfg, ds_config, ranks.device()) if whole else engine.build_model(cfg, ds_config)
     eng = engine.initialize(cfg, model, ds_config)
     peak = _kib("VmHWM")
     params = sum(p.numel() for p in eng.module.parameters())
@@ -84,7 +84,7 @@ def worker(args: argparse.Namespace) -> None:
     tdist.all_gather_object(figures, {"before": before, "peak": peak, "params": params})
     if dist.is_main:
         Path(args.out).write_text(json.dumps(figures))
-    engine.leave_distributed()
+    ranks.leave_distributed()
 
 
 def run(layout: str, args: argparse.Namespace, work: Path) -> list[dict[str, int]]:

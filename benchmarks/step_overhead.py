@@ -30,10 +30,10 @@ sys.path.insert(0, str(ROOT))
 
 from pretrain.config.presets import build  # noqa: E402
 from pretrain.data.prepare import prepare  # noqa: E402
-from pretrain.training import engine as ds_engine  # noqa: E402
-from pretrain.training import guards  # noqa: E402
-from pretrain.training.loop import setup, train_step  # noqa: E402
+from pretrain.training import faults, guards, ranks  # noqa: E402
+from pretrain.training.loop import train_step  # noqa: E402
 from pretrain.training.metrics import PhaseTimer, quiet_monitor  # noqa: E402
+from pretrain.training.run import setup  # noqa: E402
 from pretrain.training.schedule import lr_at  # noqa: E402
 
 COMMON = ["zero.stage=0", "logging.progress_bar=off", "data.prefetch=0"]
@@ -56,8 +56,8 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    dist = ds_engine.launch_env()
-    ds_engine.init_distributed(dist)
+    dist = ranks.launch_env()
+    ranks.init_distributed(dist)
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="step_overhead_"))
     corpus = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -72,7 +72,7 @@ def main() -> None:
     quiet_monitor(run.engine)  # as train() does: its log, not the engine, writes to the monitor
     eng, opt = run.engine, run.engine.optimizer
     timer = PhaseTimer(eng.device)
-    faults = guards.Faults(work, 12, env={})
+    injected = faults.Faults(work, 12, env={})
     loss_sum = torch.zeros(())
 
     def bare() -> None:
@@ -89,7 +89,7 @@ def main() -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         out = train_step(
-            run, timer, faults, batch_start=run.train_data.consumed_samples, want_grad_norm=False
+            run, timer, injected, batch_start=run.train_data.consumed_samples, want_grad_norm=False
         )
         if len(out) == 3:  # the agreement started inside the step
             out[2].wait()
@@ -125,4 +125,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    ds_engine.leave_distributed()  # not after an error: another rank may be inside a collective
+    ranks.leave_distributed()  # not after an error: another rank may be inside a collective

@@ -42,11 +42,12 @@ from pretrain.config.presets import build  # noqa: E402
 from pretrain.config.tree import RunConfig, analytic_flops_per_token  # noqa: E402
 from pretrain.data.dataset import load_manifest, resolve_vocab  # noqa: E402
 from pretrain.data.prepare import prepare  # noqa: E402
-from pretrain.training import engine  # noqa: E402
-from pretrain.training.guards import Faults  # noqa: E402
-from pretrain.training.loop import setup, train_step  # noqa: E402
+from pretrain.training import ranks  # noqa: E402
+from pretrain.training.faults import Faults  # noqa: E402
+from pretrain.training.loop import train_step  # noqa: E402
 from pretrain.training.metrics import PhaseTimer, quiet_monitor  # noqa: E402
 from pretrain.training.model import GPT  # noqa: E402
+from pretrain.training.run import setup  # noqa: E402
 from pretrain.training.schedule import lr_at  # noqa: E402
 
 SIZES = {
@@ -99,7 +100,7 @@ def plain_loop(cfg: RunConfig, compiled: bool, bf16: bool = False) -> Loop:
     return Loop(plain_step(cfg, torch.device("cpu"), compiled=compiled, bf16=bf16))
 
 
-def our_loop(cfg: RunConfig, dist: engine.Dist) -> Loop:
+def our_loop(cfg: RunConfig, dist: ranks.Dist) -> Loop:
     """Our path: `setup()` builds the engine and loaders as a run does; each step is train()'s."""
     run = setup(cfg, dist, None)
     quiet_monitor(run.engine)  # as train() does: its log, not the engine, writes to the monitor
@@ -121,7 +122,7 @@ def our_loop(cfg: RunConfig, dist: engine.Dist) -> Loop:
 
 
 def bench_size(
-    name: str, preset: str, shape: list[str], args: argparse.Namespace, work: Path, dist: engine.Dist
+    name: str, preset: str, shape: list[str], args: argparse.Namespace, work: Path, dist: ranks.Dist
 ) -> dict[str, float]:
     data = work / "data"
     base = config(preset, shape, work / "run", data, [])
@@ -232,8 +233,8 @@ def main() -> None:
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    dist = engine.launch_env()
-    engine.init_distributed(dist)
+    dist = ranks.launch_env()
+    ranks.init_distributed(dist)
     torch.set_num_threads(args.threads)
     load = os.getloadavg()
     print(
@@ -253,4 +254,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    engine.leave_distributed()  # not after an error: another rank may be inside a collective
+    ranks.leave_distributed()  # not after an error: another rank may be inside a collective

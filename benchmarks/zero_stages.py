@@ -191,12 +191,13 @@ def worker(args: argparse.Namespace) -> None:
     from pretrain.data.dataset import load_manifest, resolve_vocab
     from pretrain.data.loader import ShardedLoader
     from pretrain.training import engine as ds_engine
+    from pretrain.training import ranks
 
     stage, off, par = (int(v) for v in args.variant.split(","))
     micro, knobs = int(args.micro), args.knobs
     name = variant_name(stage, bool(off), bool(par), micro, knobs)
-    dist = ds_engine.launch_env()
-    ds_engine.init_distributed(dist)
+    dist = ranks.launch_env()
+    ranks.init_distributed(dist)
     work = Path(args.work)
     cfg = build(
         "tiny",
@@ -208,7 +209,7 @@ def worker(args: argparse.Namespace) -> None:
     manifest = load_manifest(cfg.data.resolved_dir())
     cfg = resolve_vocab(cfg, manifest["tokenizer"]["vocab_size"])
     ds_config = render_deepspeed(cfg)
-    dev = ds_engine.device()
+    dev = ranks.device()
 
     _trim()
     tdist.barrier()
@@ -296,7 +297,8 @@ def worker(args: argparse.Namespace) -> None:
 
 def predictions(micro: int, world: int, bucket: int, work: Path) -> dict[tuple[int, str], dict[str, float]]:
     """`pretrain plan`'s numbers for this shape, everything counted as host memory (a CPU run)."""
-    from pretrain.cluster.plan import comm_elements, plan_stages
+    from pretrain.cluster.plan import plan_stages
+    from pretrain.cluster.timing import comm_elements
     from pretrain.config.presets import build
     from pretrain.config.tree import analytic_num_params
     from pretrain.data.dataset import load_manifest

@@ -16,105 +16,47 @@ import argparse
 import contextlib
 import io
 import json
-import logging
 import os
-import re
 import signal
 import sys
-import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pretrain.cli_values import (
+    COUNT,
+    FRACTION,
+    HOST,
+    MEASURE,
+    NON_NEGATIVE,
+    PORT,
+    POSITIVE,
+    WORKERS,
+    WORLD,
+    Once,
+    number,
+    seed,
+    stop,
+)
 from pretrain.cluster.launch import (
     env_file_text,
     format_hostfile,
-    hostfile_target,
     launch_environment,
     launcher_world_size,
     read_hostfile,
     valid_host,
     world_size,
+    write_env_file,
 )
-from pretrain.cluster.reach import LAUNCHERS, Launch, filter_hosts, is_this_machine
+from pretrain.cluster.reach import LAUNCHERS, Launch, filter_hosts
 from pretrain.cluster.reach import check as check_launch
 from pretrain.cluster.supervise import REFUSED_FILE, refuse, restart_count, supervise
-from pretrain.config.ds_keys import RECORD
-from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
-from pretrain.config.presets import DS_CONFIG_RENDERS, PRESETS, build, build_checked
+from pretrain.config.ds_configs import check_render_flags, render_all, render_json
+from pretrain.config.presets import PRESETS, build, build_checked
+from pretrain.config.reference import reference_markdown, reference_text
 from pretrain.config.tree import RunConfig, to_yaml
-from pretrain.errors import ConfigError, DataError, OutputError, PretrainError, RankLostError
-from pretrain.files import make_dir, not_ours, read_bytes, write_atomic
-
-if TYPE_CHECKING:
-    from pretrain.cluster.plan import Rates, Target
-    from pretrain.training.engine import Dist
-
-
-def _number(
-    kind: type[int] | type[float],
-    low: float,
-    *,
-    above: bool = False,
-    high: float | None = None,
-    finite: bool = False,
-) -> Any:
-    """An argparse type: a `kind` number at least `low` (above it with `above`), at most `high`,
-    and not infinite with `finite`. A bad value is argparse's one-line error (exit 2), naming the
-    flag and the range."""
-    bound = f"{'above' if above else 'at least'} {low:g}" + (
-        f" and at most {high:g}" if kind is float and high is not None
-        else f" and at most {int(high)}" if high is not None else ""
-    )  # fmt: skip
-    noun = "a whole number" if kind is int else "a finite number" if finite else "a number"
-
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
-        out = value < low or (above and value == low) or (high is not None and value > high)
-        if value != value or out or (finite and abs(value) == float("inf")):
-            raise argparse.ArgumentTypeError(f"{text} is out of range: {noun} {bound}")
-        return value
-
-    return parse
-
-
-COUNT = _number(int, 1)  # ranks, workers, samples, tokens
-NON_NEGATIVE = _number(int, 0)  # restarts, seeds, top-k (0: all)
-PORT = _number(int, 1, high=65535)
-POSITIVE = _number(float, 0, above=True)  # sizes, seconds, rates, temperature
-FRACTION = _number(float, 0, above=True, high=1)
-WORKERS = _number(int, 0, high=1024)  # processes on one machine
-# The ranks of one job, for plans and renders: 2**20, well past the largest clusters built.
-WORLD = _number(int, 1, high=2**20)
-MEASURE = _number(float, 0, above=True, finite=True)  # a plan's sizes, peaks and bandwidths
-
-
-def HOST(text: str) -> str:
-    """A host name or IPv4 address, as a hostfile takes them (no shell metacharacters)."""
-    if not valid_host(text):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a host name or address (letters, digits, '.', '-' and '_' only)"
-        )
-    return text
-
-
-class Once(argparse.Action):
-    """An option that takes one value: given twice, it is an error naming both, not the last one
-    silently (`--config a.yaml --config b.yaml` would drop a.yaml)."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:  # fmt: skip
-        given = getattr(namespace, self.dest, None)
-        if given is not None and given != values:
-            parser.error(
-                f"{option_string} given twice ({given!r}, then {values!r}): give it once; "
-                + ("layer files with --set KEY=VALUE or one --config that holds both" if self.dest != "preset"
-                   else "a run starts from one preset; change its fields with --set KEY=VALUE")
-            )  # fmt: skip
-        setattr(namespace, self.dest, values)
+from pretrain.errors import ConfigError, PretrainError, RankLostError
+from pretrain.logs import deepspeed_logs_to_stderr
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -216,11 +158,18 @@ def parser() -> argparse.ArgumentParser:
         "files render wrote.",
     )
 
-    p = sub.add_parser("config", help="Print the resolved run config as YAML.")
+    p = sub.add_parser(
+        "config",
+        help="Print the resolved run config as YAML.",
+        epilog="`pretrain fields` lists every field of the tree: its type, bounds, default and description.",
+    )
     _add_config_args(p)
     p.add_argument("--world-size", type=COUNT, default=None, help="Resolve the batch for this world size.")
 
     sub.add_parser("presets", help="List the presets and their parameter counts.")
+    p = sub.add_parser("fields", help="List every config field: its type, bounds, default and description.")
+    p.add_argument("section", nargs="?", metavar="SECTION", help="Only this section, e.g. model.")
+    p.add_argument("--markdown", action="store_true", help="As Markdown, as docs/configuration.md holds it.")
     _add_checkpoint_parsers(sub)
 
     p = sub.add_parser(
@@ -385,16 +334,6 @@ def _add_launch_parsers(sub: Any) -> None:
     p.add_argument("--count", action="store_true", help="Print only the number of hosts.")
 
 
-def _seed(text: str) -> int:
-    """--seed: a whole number torch's generators take, 0 to 2**64 - 1."""
-    value = int(NON_NEGATIVE(text))
-    if value > 2**64 - 1:
-        raise argparse.ArgumentTypeError(
-            f"{text} is out of range: a whole number from 0 to 2**64 - 1 ({2**64 - 1})"
-        )
-    return value
-
-
 def _add_checkpoint_parsers(sub: Any) -> None:
     src_help = "A checkpoint (runs/X/checkpoints/step_N), or a run or checkpoints dir (its newest)."
 
@@ -410,7 +349,7 @@ def _add_checkpoint_parsers(sub: Any) -> None:
     )
     p.add_argument(
         "--workers",
-        type=_number(int, 1, high=1024),
+        type=number(int, 1, high=1024),
         default=1,
         help="Parallel extract/merge processes (default 1).",
     )
@@ -447,7 +386,7 @@ def _add_checkpoint_parsers(sub: Any) -> None:
     p.add_argument(
         "--stop",
         action="append",
-        type=_stop,
+        type=stop,
         default=[],
         metavar="STR",
         help="End a sample where its text (after the prompt) first holds STR; STR is not printed. "
@@ -470,7 +409,7 @@ def _add_checkpoint_parsers(sub: Any) -> None:
     )
     p.add_argument(
         "--seed",
-        type=_seed,
+        type=seed,
         default=1337,
         help="Sampling seed, 0 to 2**64-1; sample i uses seed+i (default 1337).",
     )
@@ -503,35 +442,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         # torch and DeepSpeed have loaded (seconds). With a --ds JSON the check below runs
         # DeepSpeed's own validators too, so that one error lists every problem.
         _config(args, world, deepspeed=False)
-    import torch.distributed as tdist  # torch and DeepSpeed: only for the commands that run them
+    from pretrain.training.entry import run_rank  # torch and DeepSpeed: only for the commands that run them
 
-    from pretrain.training import engine
-    from pretrain.training.loop import train
-
-    dist = engine.launch_env()
-    cfg = _config(args, dist.world_size)
-    engine.init_distributed(dist, timeout_s=cfg.launch.collective_timeout_s)
-    _prepare_on_rank_0(cfg, dist)
-    try:
-        result = train(cfg, dist, resume=_resume(args.resume, cfg))
-    except PretrainError:
-        # Every rank raises it alike; tear the groups down here, or gloo's threads abort at exit.
-        tdist.destroy_process_group()
-        raise
-    except RuntimeError as e:  # gloo's or NCCL's own error when another rank is gone: say which
-        from pretrain.training.guards import lost_rank
-
-        said = lost_rank(e, dist.rank)
-        if said is None:
-            raise
-        raise RankLostError(said) from e
-    if result.val_loss is not None and result.stopped_by is None and result.ended_by != "max_hours":
-        dist.log(f"done: step {result.final_step}, val loss {result.val_loss:.4f}, run dir {cfg.run_dir()}")
-    tdist.barrier()
-    tdist.destroy_process_group()
-    if result.stopped_by is not None:
-        return 128 + int(getattr(signal, result.stopped_by))
-    return 0
+    return run_rank(lambda world: _config(args, world), args.resume)
 
 
 def _check_before_the_ranks(args: argparse.Namespace) -> None:
@@ -547,49 +460,10 @@ def _check_before_the_ranks(args: argparse.Namespace) -> None:
         raise
 
 
-def _prepare_on_rank_0(cfg: RunConfig, dist: Dist) -> None:
-    """Rank 0 prepares the dataset if needed; the others wait and learn whether it worked."""
-    import torch.distributed as tdist
-
-    from pretrain.data.dataset import MANIFEST
-    from pretrain.data.prepare import prepare
-
-    error: list[str | None] = [None]
-    if dist.is_main:
-        if not cfg.data.blend and not (cfg.data.resolved_dir() / MANIFEST).is_file():
-            dist.log(f"preparing {cfg.data.corpus} ({cfg.data.tokenizer}) into {cfg.data.resolved_dir()}")
-        try:
-            prepare(cfg.data)
-        except DataError as e:
-            error = [str(e)]
-    tdist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise DataError(error[0])
-
-
-def _resume(resume: str | None, cfg: RunConfig) -> str | None:
-    """--resume, or "auto" where this start is a restart after a failure (train --max-restarts,
-    torchrun, a requeued Slurm job): it continues from the newest checkpoint."""
-    from pretrain.training.checkpoint import committed_tags
-
-    if restart_count() > 0 and (
-        resume in (None, "auto") or committed_tags(cfg.run_dir() / cfg.checkpoint.dir)[0]
-    ):
-        return "auto"
-    return resume
-
-
 def cmd_convert(args: argparse.Namespace) -> int:
-    from pretrain.training.checkpoint import convert_to_universal, read_meta, saved_layout  # torch, DeepSpeed
+    from pretrain.training.universal import convert_and_say  # torch, DeepSpeed
 
-    out, wrote = convert_to_universal(Path(args.src), workers=args.workers, checksums=not args.no_checksums)
-    pipeline = saved_layout(read_meta(out))[1]
-    # A pipeline's parameters are named by stage layer, the GPT's by module: it resumes as a pipeline only.
-    where = "on any world size" if pipeline == 1 else f"on any world size with parallel.pipeline={pipeline}"
-    print(
-        f"{'wrote the universal checkpoint' if wrote else 'already converted, and sound:'} {out}\n"
-        f"`pretrain train --resume auto` (same run dir) now continues it {where}; or pass --resume {out}"
-    )
+    print(convert_and_say(Path(args.src), workers=args.workers, checksums=not args.no_checksums))
     return 0
 
 
@@ -611,132 +485,25 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stop(text: str) -> str:
-    """--stop's argparse type: a string that can end a sample (an empty one would end each at once)."""
-    if not text:
-        raise argparse.ArgumentTypeError(
-            "an empty stop string would end every sample before its first token: give the text that "
-            "ends a sample, e.g. --stop $'\\n\\n'"
-        )
-    return text
-
-
-def _prompts(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
-    """--prompt's texts, or --prompt-file's lines, with the names an error gives them (None: `--prompt
-    N`); a newline without either."""
-    if args.prompt_file is None:
-        return args.prompt or ["\n"], None
-    if args.prompt:
-        raise ConfigError(
-            ["--prompt and --prompt-file both given: give the prompts one way (--prompt for each, or "
-             "one per line in --prompt-file)"],
-            "sample",
-        )  # fmt: skip
-    path = Path(args.prompt_file)
-    fix = "give a text file of prompts, one per line"
-    if not path.is_file():
-        what = "is a directory" if path.is_dir() else "no such file" if not path.exists() else "not a file"
-        raise ConfigError([f"--prompt-file {path}: {what}; {fix}"], "sample")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError([f"--prompt-file {path}: not UTF-8 text ({e}); save it as UTF-8"], "sample") from e
-    except OSError as e:
-        raise ConfigError(
-            [f"--prompt-file {path}: cannot read it ({e.strerror or e}); {fix}"], "sample"
-        ) from e
-    prompts = text.splitlines()
-    if not prompts:
-        raise ConfigError([f"--prompt-file {path}: empty; write one prompt per line"], "sample")
-    return prompts, [f"--prompt-file {path}, line {i}" for i in range(1, len(prompts) + 1)]
-
-
 def cmd_sample(args: argparse.Namespace) -> int:
-    from pretrain.export import MAX_SAMPLE_TOKENS, SampleCount, load_model, stream_samples, tokenizer_for
+    from pretrain.generate import print_samples  # torch
 
-    prompts, names = _prompts(args)
-    if len(prompts) * args.num_samples * args.max_new_tokens > MAX_SAMPLE_TOKENS:
-        many = f"{len(prompts)} prompts x " if len(prompts) > 1 else ""
-        raise ConfigError(
-            [
-                f"{many}--num-samples {args.num_samples} x --max-new-tokens {args.max_new_tokens} = "
-                f"{len(prompts) * args.num_samples * args.max_new_tokens:,} tokens: more than one `sample` "
-                f"makes ({MAX_SAMPLE_TOKENS:,}); ask for fewer, or run it several times with other "
-                "--seed values" + (" or prompts" if many else "")
-            ],
-            "sample",
-        )
-    _check_device(args.device)
-    model, cfg, where = load_model(Path(args.src), device=args.device, checksums=not args.no_checksums)
-    tokenizer = tokenizer_for(where, cfg, args.tokenizer_path)
-    count = SampleCount()
-    samples = stream_samples(
-        model,
-        tokenizer,
-        prompts,
-        args.max_new_tokens,
-        args.temperature,
-        args.top_k or None,
-        args.seed,
-        args.num_samples,
+    print_samples(
+        Path(args.src),
+        prompt=args.prompt,
+        prompt_file=args.prompt_file,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k or None,
+        seed=args.seed,
+        num_samples=args.num_samples,
         stop=args.stop,
         kv_cache=not args.no_kv_cache,
-        count=count,
-        prompt_names=names,
-    )
-    current = -1
-    start = time.perf_counter()
-    try:
-        for i, piece in samples:  # printed as it comes: a sample made alone, token by token
-            if i != current:
-                if current >= 0:
-                    sys.stdout.write("\n")
-                p, n = divmod(i, args.num_samples)  # prompt p's sample n
-                heads = [f"prompt {p + 1}"] * (len(prompts) > 1)
-                heads += [f"sample {n + 1}"] * (args.num_samples > 1)
-                if heads:
-                    sys.stdout.write(f"--- {', '.join(heads)} ---\n")
-                current = i
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        print(flush=True)
-    except BrokenPipeError:  # `pretrain sample ... | head`: the reader has what it wanted
-        with contextlib.suppress(OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-    except RuntimeError as e:  # out of memory on the device (torch.OutOfMemoryError) or the host
-        if "out of memory" not in str(e) and "can't allocate memory" not in str(e):
-            raise
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise ConfigError(
-            [f"--device {args.device}: out of memory generating ({first}); ask for fewer --num-samples"],
-            "sample",
-        ) from e
-    seconds = time.perf_counter() - start
-    print(
-        f"{count.tokens:,} tokens in {seconds:.2f} s: {count.tokens / max(seconds, 1e-9):,.1f} tokens/s "
-        f"({'without' if args.no_kv_cache else 'with'} the KV cache, --device {args.device})",
-        file=sys.stderr,
+        device=args.device,
+        tokenizer_path=args.tokenizer_path,
+        checksums=not args.no_checksums,
     )
     return 0
-
-
-def _check_device(name: str) -> None:
-    """--device names a device this machine has, that computes ('meta' holds no values)."""
-    import torch
-
-    try:
-        device = torch.device(name)
-        if device.type == "meta":
-            raise ValueError("the meta device holds shapes, not values")
-        torch.empty(0, device=device)
-    except Exception as e:  # RuntimeError, NotImplementedError, AssertionError, ImportError: per backend
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        cuda = (
-            f"{torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA device"
-        )
-        raise ConfigError(
-            [f"--device {name!r}: not usable here ({first}); this machine has {cuda}; try --device cpu"]
-        ) from e
 
 
 def _add_prepare_args(p: argparse.ArgumentParser) -> None:
@@ -751,140 +518,35 @@ def _add_prepare_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from pretrain.data.dataset import load_manifest, summary  # numpy, tiktoken: per command, as above
-    from pretrain.data.prepare import STUCK_POOL, Interrupted, format_report, prepare
+    from pretrain.data.prepare import prepare_and_report  # numpy, tiktoken: per command, as above
 
-    cfg = _config(args, None, deepspeed=False)
-    data = cfg.data
-    if args.source is not None or args.workers is not None:
-        update = {
-            "source": args.source or data.source,
-            "workers": data.workers if args.workers is None else args.workers,
-        }
-        data = type(data).model_validate({**data.model_dump(), **update})
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-
-    try:
-        # Another prepare of this directory: refused at once here (`train` waits for it).
-        out = prepare(data, force=args.force, log=log, wait=False)
-    except Interrupted as e:  # SIGINT or SIGTERM: workers stopped, staging removed, lock released; one line
-        print(e, file=sys.stderr, flush=True)
-        if STUCK_POOL:  # the exit's join of a pool stopped mid-task would wait forever (CPython gh-94777)
-            sys.stdout.flush()
-            os._exit(128 + e.signum)
-        return 128 + e.signum
-    m = load_manifest(out)
-    if not data.blend:
-        print(format_report(m["report"]))
-    print(f"dataset ready in {out}: {summary(m)}")
-    return 0
+    data = _config(args, None, deepspeed=False).data
+    return prepare_and_report(data, source=args.source, workers=args.workers, force=args.force)
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    if not args.all:
-        only_all = [flag for flag, given in (("--check", args.check), ("--out-dir", args.out_dir)) if given]
-        if only_all:
-            raise ConfigError(
-                [
-                    f"{' and '.join(only_all)} {'apply' if len(only_all) > 1 else 'applies'} only with --all "
-                    "(which renders every file of ds_configs/): add --all, or drop "
-                    f"{'them' if len(only_all) > 1 else 'it'} to print this config's JSON"
-                ],
-                "render",
-            )
-        cfg = _config(args, args.world_size or 1)
-        _precision_note(cfg)
-        print(_render_json(cfg), end="")
-        return 0
-    config_args = [
+    given = [
         flag
-        for flag, given in (
+        for flag, value in (
+            ("--check", args.check),
+            ("--out-dir", args.out_dir),
             ("--preset", args.preset),
             ("--config", args.config),
             ("--ds", args.ds),
             ("--set", args.overrides),
             ("--world-size", args.world_size),
         )
-        if given
+        if value
     ]
-    if config_args:
-        raise ConfigError(
-            [
-                f"--all renders each file of ds_configs/ from its own preset, overrides and world size, so "
-                f"{', '.join(config_args)} would be ignored: drop {'them' if len(config_args) > 1 else 'it'}, "
-                "or drop --all to print the JSON of this config"
-            ],
-            "render",
-        )
-    out_dir = Path(args.out_dir or "ds_configs")
-    stale, texts = [], {}
-    for name, (preset, overrides, world) in DS_CONFIG_RENDERS.items():
-        text = render_file(preset, overrides, world)
-        path = out_dir / f"{name}.json"
-        if read_bytes(path) == text.encode():
-            continue
-        stale.append(str(path))
-        texts[path] = text
-    if not args.check:
-        # Only into a directory of this command's files: a DeepSpeed JSON of another project kept under
-        # one of these names, or any other file (`--out-dir /`, a home directory), is refused, never
-        # lost or mixed with ours.
-        foreign = _not_rendered(out_dir)
-        if foreign:
-            listed = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
-            raise OutputError(
-                f"--out-dir {out_dir}: {listed} not written by `pretrain render`; refusing to write there: "
-                "move them away or choose another --out-dir (a new directory, or one of render's)"
-            )
-        make_dir(out_dir, "--out-dir", OutputError)
-        for path, text in texts.items():
-            write_atomic(path, text)
-    if args.check and stale:
-        print("out of date (run `pretrain render --all`): " + ", ".join(stale), file=sys.stderr)
-        return 1
-    print(
-        f"{'checked' if args.check else 'wrote'} {len(DS_CONFIG_RENDERS)} files in {out_dir}"
-        + (f" ({len(stale)} changed)" if stale and not args.check else "")
-    )
-    return 0
-
-
-def _not_rendered(out_dir: Path) -> list[str]:
-    """What the directory `out_dir` holds that `render --all` did not write: anything but its JSONs
-    (by content, not by name) and the temporary file of a write that was killed."""
-    if not out_dir.is_dir():
-        return []  # none yet; or a file, which make_dir names
-    foreign = []
-    for entry in sorted(out_dir.iterdir()):
-        if re.fullmatch(r".+\.json\.tmp-\d+", entry.name) and entry.is_file():
-            continue
-        data = read_bytes(entry) if entry.name.endswith(".json") else None
-        if data is None or not _is_render(data):
-            foreign.append(str(entry))
-    return foreign
-
-
-def _is_render(data: bytes) -> bool:
-    """A DeepSpeed JSON `pretrain render` wrote: it carries our record of the run config."""
-    try:
-        ds = json.loads(data)
-    except ValueError:
-        return False
-    return isinstance(ds, dict) and isinstance(ds.get(RECORD), dict)
-
-
-def render_file(preset: str, overrides: list[str], world_size: int) -> str:
-    """One file of ds_configs/ (DS_CONFIG_RENDERS), as `render --all` writes it."""
-    return _render_json(build(preset, overrides=overrides, world_size=world_size))
-
-
-def _render_json(cfg: RunConfig) -> str:
-    """The DeepSpeed JSON of `cfg`, checked by DeepSpeed's own parser."""
-    ds = render_deepspeed(cfg)
-    check_with_deepspeed(ds)
-    return json.dumps(ds, indent=2) + "\n"
+    check_render_flags(all_files=args.all, given=given)
+    if not args.all:
+        cfg = _config(args, args.world_size or 1)
+        _precision_note(cfg)
+        print(render_json(cfg), end="")
+        return 0
+    report = render_all(Path(args.out_dir or "ds_configs"), check=args.check)
+    print(report.message, file=sys.stderr if report.exit_code else sys.stdout)
+    return report.exit_code
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -919,112 +581,33 @@ def cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_target(
-    args: argparse.Namespace,
-    target: dict[str, str | float],
-    where: str,
-    world: int,
-    per_node: int | None,
-    *,
-    remote: bool,
-) -> tuple[Target, str | None]:
-    """What `plan` plans for, and the device named for it: the flags first, then the hostfile's
-    `# pretrain:` line, else this machine, said so when the hostfile's hosts are other machines."""
-    from pretrain.cluster.hardware import gpu_memory_gb
-    from pretrain.cluster.plan import Target, default_device_gb, host_memory_gb
-
-    device = args.device or (str(target["device"]) if "device" in target else None)
-    named_by = "--device" if args.device else where
-    named = gpu_memory_gb(device) if device and device != "cpu" else None
-    if args.device_gb:
-        device_gb, device_src = args.device_gb, "--device-gb"
-    elif "device-gb" in target:
-        device_gb, device_src = float(target["device-gb"]), f"{where}: device-gb"
-    elif named is not None:
-        device_gb, device_src = named, f"{named_by}: {device}"
-    elif device and device != "cpu":
-        raise ConfigError(
-            [f"{named_by}: {device} does not say its memory (an A100 comes in 40 and 80 GB): name it as "
-             f"{device}-80GB, or pass --device-gb"], "plan",
-        )  # fmt: skip
-    else:
-        device_gb, device_src = default_device_gb(world)
-    if args.host_gb:
-        host_gb: float | None = args.host_gb
-    elif "host-gb" in target:
-        host_gb = float(target["host-gb"])
-    else:
-        host_gb = host_memory_gb() if device is None or device == "cpu" or not remote else None
-    note = ""
-    if device is None and args.peak_tflops is None and (remote or (not args.hostfile and args.device_gb)):
-        said = f"{args.hostfile} does not say what its hosts are" if remote else "no --device names the GPU"
-        note = (
-            f"planning step time for this machine's device, and memory for {device_src}: {said}. Pass --device "
-            "(e.g. --device A100-80GB --host-gb 1024)"
-            + (
-                ", or add a line '# pretrain: device=A100-80GB host-gb=1024' to the hostfile."
-                if remote
-                else "."
-            )
-        )
-    elif device is not None and host_gb is None:
-        note = f"host memory unknown: pass --host-gb, or add host-gb=<GB> to {args.hostfile or 'the hostfile'}'s '# pretrain:' line."
-    return Target(world, per_node, device_gb, device_src, host_gb, note, device), device
-
-
-def plan_inputs(args: argparse.Namespace) -> tuple[RunConfig, Target, Rates, str]:
-    """`plan`'s config, target and rates from its arguments, and where the vocabulary came from."""
-    from pretrain.cluster.plan import resolve_rates
-    from pretrain.data.dataset import resolve_vocab, vocab_size  # tiktoken, torch: per command, as above
-
-    if args.config_file in PRESETS and not Path(args.config_file).is_file():
-        if args.preset not in (None, args.config_file):
-            raise ConfigError(
-                [
-                    f"two presets, {args.config_file} and --preset {args.preset}: give one (its fields change with --set)"
-                ],
-                "plan",
-            )
-        args.preset, args.config_file = args.config_file, None  # `pretrain plan gpt2-124m`
-    if args.config_file:
-        if args.config:
-            raise ConfigError(["pass the run config either as CONFIG or as --config, not both"], "plan")
-        args.config = args.config_file
-    world, per_node = args.world_size or 1, args.gpus_per_node
-    target: dict[str, str | float] = {}
-    remote, where = False, ""
-    if args.hostfile:
-        hosts = read_hostfile(args.hostfile)
-        if args.world_size not in (None, world_size(hosts)):
-            raise ConfigError(
-                [f"--world-size {args.world_size}, but {args.hostfile} has {world_size(hosts)} slots"], "plan"
-            )
-        world, per_node = world_size(hosts), per_node or max(hosts.values())
-        target, where = hostfile_target(args.hostfile)
-        remote = not all(is_this_machine(h) for h in hosts)
-    cfg = _config(args, world)
-    vocab, vocab_src = vocab_size(cfg)
-    cfg = resolve_vocab(cfg, vocab)
-    to, device = plan_target(args, target, where, world, per_node, remote=remote)
-    rates = resolve_rates(
-        cfg,
-        world,
-        per_node or min(world, 8),
-        device=device,
-        device_src=where if device and not args.device else "",
-        peak_tflops=args.peak_tflops,
-        mfu=args.mfu,
-        busbw_gbs=args.busbw,
-        node_busbw_gbs=args.node_busbw,
-        from_runs=[Path(r) for r in args.from_run or []],
-    )
-    return cfg, to, rates, vocab_src
+def cmd_fields(args: argparse.Namespace) -> int:
+    print(reference_markdown(args.section) if args.markdown else reference_text(args.section), end="")
+    return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from pretrain.cluster.plan import plan_json, render_plan
+    from pretrain.cluster.plan_report import plan_json, render_plan
+    from pretrain.cluster.target import plan_inputs
 
-    cfg, to, rates, vocab_src = plan_inputs(args)
+    cfg, to, rates, vocab_src = plan_inputs(
+        config_file=args.config_file,
+        preset=args.preset,
+        config=args.config,
+        ds=args.ds,
+        overrides=args.overrides,
+        hostfile=args.hostfile,
+        world_size=args.world_size,
+        gpus_per_node=args.gpus_per_node,
+        device=args.device,
+        device_gb=args.device_gb,
+        host_gb=args.host_gb,
+        peak_tflops=args.peak_tflops,
+        mfu=args.mfu,
+        busbw=args.busbw,
+        node_busbw=args.node_busbw,
+        from_run=args.from_run,
+    )
     if args.json:
         print(json.dumps(plan_json(cfg, to, rates, search=args.layouts), indent=2))
         return 0
@@ -1042,7 +625,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from pretrain.preflight import Options, format_report, preflight  # numpy, tiktoken
+    from pretrain.preflight import Options, format_report, preflight, save_allreduce  # numpy, tiktoken
 
     hosts = read_hostfile(args.hostfile)
     cfg = _config(args, world_size(hosts))
@@ -1066,39 +649,16 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     )
     report = preflight(cfg, opts)
     print(format_report(report), flush=True)
-    if report.allreduce:  # for `pretrain plan`'s communication time
-        from pretrain.cluster.plan import PREFLIGHT_FILE  # torch, which preflight has loaded already
-
-        cfg.run_dir().mkdir(parents=True, exist_ok=True)
-        text = json.dumps({"hostfile": args.hostfile, "allreduce": report.allreduce}, indent=1) + "\n"
-        write_atomic(cfg.run_dir() / PREFLIGHT_FILE, text)
+    save_allreduce(report, cfg.run_dir(), args.hostfile)  # for `pretrain plan`'s communication time
     return 1 if report.problems else 0
 
 
 def cmd_launch_env(args: argparse.Namespace) -> int:
     env = launch_environment(_config(args, None, deepspeed=False).launch)
-    text = env_file_text(env)
     if args.output:
-        out = Path(args.output)
-        # Rewritten only where it holds no more than this command writes: other settings are kept.
-        ours = set(env)
-
-        def lost(data: bytes) -> list[str]:
-            theirs = {line.split("=", 1)[0].strip() for line in data.decode(errors="replace").splitlines()}
-            return sorted(k for k in theirs - ours if k)
-
-        if not_ours([out], lambda data: not lost(data)):
-            old = read_bytes(out)
-            what = (
-                f"settings this command does not write ({', '.join(lost(old)[:4])})" if old else "no env file"
-            )
-            raise OutputError(
-                f"--output {out}: holds {what}; refusing to overwrite it: choose another file, or add these "
-                f"lines to it yourself:\n{text}"
-            )
-        write_atomic(out, text)
+        write_env_file(Path(args.output), env)
     else:
-        print(text, end="")
+        print(env_file_text(env), end="")
     return 0
 
 
@@ -1155,6 +715,7 @@ COMMANDS = {
     "render": cmd_render,
     "config": cmd_config,
     "presets": cmd_presets,
+    "fields": cmd_fields,
     "convert": cmd_convert,
     "export": cmd_export,
     "sample": cmd_sample,
@@ -1165,60 +726,6 @@ COMMANDS = {
     "plan": cmd_plan,
     "plot": cmd_plot,
 }
-
-
-class _Stderr:
-    """Whatever sys.stderr is when a line is written (a caller may have redirected it since)."""
-
-    def write(self, text: str) -> int:
-        return sys.stderr.write(text)
-
-    def flush(self) -> None:
-        sys.stderr.flush()
-
-
-def _to_stderr(handler: logging.Handler) -> None:
-    if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
-        handler.setStream(_Stderr())
-
-
-class _StderrLogger(logging.Logger):
-    """A logger whose handlers on stdout write to stderr instead."""
-
-    def addHandler(self, hdlr: logging.Handler) -> None:
-        _to_stderr(hdlr)
-        super().addHandler(hdlr)
-
-
-def deepspeed_logs_to_stderr() -> None:
-    """DeepSpeed's log lines ("Setting accelerator to CPU", its warnings) go to stderr: stdout is the
-    commands' own output, which for `render`, `config` and `plan --json` is exactly JSON or YAML.
-
-    DeepSpeed gives its logger a handler on sys.stdout when it is first imported; the logger is made
-    here first, before any command imports DeepSpeed (this imports neither torch nor DeepSpeed), of
-    a class that turns such a handler to stderr. Where DeepSpeed is loaded already, its handlers are
-    turned now."""
-    made = logging.getLoggerClass()
-    logging.setLoggerClass(_StderrLogger)
-    try:
-        log = logging.getLogger("DeepSpeed")  # deepspeed/utils/logging.py's name
-    finally:
-        logging.setLoggerClass(made)
-    for h in log.handlers:
-        _to_stderr(h)
-    if not any(isinstance(f, _NoCpuFallbackWarning) for f in log.filters):
-        log.addFilter(_NoCpuFallbackWarning())
-
-
-class _NoCpuFallbackWarning(logging.Filter):
-    """Drops DeepSpeed's "Setting accelerator to CPU. If you have GPU ... we were unable to detect
-    it" on a machine with no GPU device to detect, where every command would print it for nothing. Where
-    the machine has one (a CPU-only torch on a GPU host), the warning says something and stays."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not str(record.msg).startswith("Setting accelerator to CPU"):
-            return True
-        return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()  # NVIDIA, ROCm
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,15 +24,12 @@ not accept, weights that do not match their config, or weights that are not fini
 
 from __future__ import annotations
 
-import codecs
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +58,8 @@ from pretrain.files import (
     staging_dir,
     write_atomic,
 )
-from pretrain.training import checkpoint
-from pretrain.training.model import GPT, KVCache
+from pretrain.training import checkpoint, resume
+from pretrain.training.model import GPT
 
 WEIGHTS = "model.safetensors"
 INFO = "pretrain.json"
@@ -83,18 +80,7 @@ def consolidated_state_dict(ckpt: Path, *, checksums: bool = True) -> dict[str, 
     run_config(meta, ckpt / checkpoint.META)  # a config this version does not accept: said as such
     reading = [ckpt]  # the file being read, for the error
     try:
-        if checkpoint.saved_layout(meta) != (1, 1) and meta.get("format") != "universal":
-            sd = model_parallel_state_dict(ckpt, meta, reading)
-        else:
-            # DeepSpeed reports its progress on stdout, which belongs to `pretrain sample`'s text
-            with checkpoint.safe_loading(), contextlib.redirect_stdout(sys.stderr):
-                if any(ckpt.glob("*optim_states.pt")) and int(meta.get("zero_stage", 0)) > 0:
-                    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-                    sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
-                else:  # stage 0: rank 0's model file holds the whole module
-                    reading[0] = ckpt / "mp_rank_00_model_states.pt"
-                    sd = torch.load(reading[0], map_location="cpu", weights_only=True)["module"]
+        sd = _read_weights(ckpt, meta, reading)
     except PretrainError as e:
         if checksums and str(ckpt) in str(e):
             raise
@@ -115,6 +101,22 @@ def consolidated_state_dict(ckpt: Path, *, checksums: bool = True) -> dict[str, 
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise CheckpointError(f"{reading[0]}: holds no model weights (not a pretrain checkpoint's file)")
     return {k: v.detach().float().contiguous() for k, v in sd.items()}
+
+
+def _read_weights(ckpt: Path, meta: dict[str, Any], reading: list[Path]) -> Any:
+    """What a checkpoint's files hold as its weights, read as `consolidated_state_dict` says; `reading[0]`
+    names the file being read."""
+    if checkpoint.saved_layout(meta).shape != (1, 1) and meta.get("format") != "universal":
+        return model_parallel_state_dict(ckpt, meta, reading)
+    # DeepSpeed reports its progress on stdout, which belongs to `pretrain sample`'s text
+    with checkpoint.safe_loading(), contextlib.redirect_stdout(sys.stderr):
+        if any(ckpt.glob("*optim_states.pt")) and int(meta.get("zero_stage", 0)) > 0:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+        # stage 0: rank 0's model file holds the whole module
+        reading[0] = ckpt / "mp_rank_00_model_states.pt"
+        return torch.load(reading[0], map_location="cpu", weights_only=True)["module"]
 
 
 # Said where a checkpoint was read with --no-checksums (sizes only) and turned out unreadable.
@@ -189,7 +191,7 @@ def model_parallel_state_dict(
 
     reading = reading if reading is not None else [ckpt]
     m = ModelConfig.model_validate(meta["config"]["model"])
-    tp, pp = checkpoint.saved_layout(meta)
+    tp, pp = checkpoint.saved_layout(meta).shape
     shards: dict[str, list[torch.Tensor]] = {}
     with checkpoint.safe_loading():
         for r in range(tp):
@@ -263,13 +265,7 @@ def hf_state_dict(
     generation config suppresses."""
     d, f, kv = m.n_embd, m.ffn_hidden, m.kv_heads * m.head_size
     arch = hf_architecture(m)
-    rows = rows or required_vocab_size(m)
-    if rows > required_vocab_size(m):
-        grow = rows - required_vocab_size(m)
-        sd = dict(sd)
-        for name in ("wte.weight", "lm_head.weight"):
-            if name in sd:
-                sd[name] = torch.cat([sd[name], sd[name].new_zeros(grow, d)])
+    sd = _padded(sd, m, rows or required_vocab_size(m))
 
     def bias(name: str, size: int) -> torch.Tensor:
         return sd.get(name, torch.zeros(size, dtype=sd["wte.weight"].dtype))
@@ -336,6 +332,17 @@ def hf_state_dict(
         if not m.tie_embeddings:
             out["lm_head.weight"] = head
     return unshared(out)
+
+
+def _padded(sd: dict[str, torch.Tensor], m: ModelConfig, rows: int) -> dict[str, torch.Tensor]:
+    """`sd` with its embedding and head grown with zero rows to `rows` (a copy; `sd` where they have as many)."""
+    if rows > required_vocab_size(m):
+        grow = rows - required_vocab_size(m)
+        sd = dict(sd)
+        for name in ("wte.weight", "lm_head.weight"):
+            if name in sd:
+                sd[name] = torch.cat([sd[name], sd[name].new_zeros(grow, m.n_embd)])
+    return sd
 
 
 def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -517,7 +524,7 @@ def export(
     atomically. `out` must be new, empty or a previous export. Returns what was written. A GPT-2
     BPE tokenizer is rebuilt from `tokenizer_path` (default: the run's data.tokenizer_path, else
     tiktoken's download)."""
-    ckpt = checkpoint.locate(src, checksums=checksums)
+    ckpt = resume.locate(src, checksums=checksums)
     try:
         out.resolve()
     except (RuntimeError, OSError) as e:  # a symlink loop: RuntimeError before Python 3.13
@@ -527,15 +534,7 @@ def export(
     )
     meta = checkpoint.read_meta(ckpt)
     cfg = run_config(meta, ckpt / checkpoint.META)
-    try:
-        tok: Tokenizer | None = tokenizer_for(ckpt, cfg, tokenizer_path)
-    except DataError as e:
-        if hf:
-            raise DataError(
-                f"{e}\nthe Hugging Face directory needs the tokenizer: pass --tokenizer-path, or --no-hf "
-                "to export the weights alone"
-            ) from e
-        tok = None
+    tok = _export_tokenizer(ckpt, cfg, tokenizer_path, hf=hf)
     sd = consolidated_state_dict(ckpt, checksums=checksums)
     check_weights(
         sd,
@@ -586,6 +585,21 @@ def export(
     }
 
 
+def _export_tokenizer(
+    ckpt: Path, cfg: RunConfig, tokenizer_path: str | None, *, hf: bool
+) -> Tokenizer | None:
+    """The checkpoint's tokenizer (`tokenizer_for`); None where there is none and `hf` does not need it."""
+    try:
+        return tokenizer_for(ckpt, cfg, tokenizer_path)
+    except DataError as e:
+        if hf:
+            raise DataError(
+                f"{e}\nthe Hugging Face directory needs the tokenizer: pass --tokenizer-path, or --no-hf "
+                "to export the weights alone"
+            ) from e
+        return None
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -609,26 +623,32 @@ def verify_export(src: Path, info: dict[str, Any], *, checksums: bool = True) ->
         return
     problems = []
     for rel, want in sorted(files.items()):
-        path = src / rel
-        try:
-            if not isinstance(want, dict) or Path(rel).is_absolute() or ".." in Path(rel).parts:
-                problems.append(f"{src / INFO}: its entry {rel!r} is no file of the export")
-            elif not path.is_file():
-                problems.append(f"{path}: {'not a regular file' if path.exists() else 'missing'}")
-            elif path.stat().st_size != want.get("bytes"):
-                problems.append(
-                    f"{path}: {path.stat().st_size} bytes, {want.get('bytes')} recorded at export"
-                )
-            elif checksums and "sha256" in want and _sha256(path) != want["sha256"]:
-                problems.append(f"{path}: its sha256 differs from the one recorded at export")
-        except OSError as e:
-            problems.append(f"{path}: {e.strerror or e}")
+        problem = _file_problem(src, rel, want, checksums=checksums)
+        if problem:
+            problems.append(problem)
     if problems:
         shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         source = info.get("source") if isinstance(info.get("source"), str) else "CHECKPOINT"
         raise CheckpointError(
             f"{shown}: the export is damaged; export it again (pretrain export {source} --out {src})"
         )
+
+
+def _file_problem(src: Path, rel: str, want: Any, *, checksums: bool) -> str | None:
+    """What is wrong with the file `rel` of the export `src`, recorded in its info as `want`; None: nothing."""
+    path = src / rel
+    try:
+        if not isinstance(want, dict) or Path(rel).is_absolute() or ".." in Path(rel).parts:
+            return f"{src / INFO}: its entry {rel!r} is no file of the export"
+        if not path.is_file():
+            return f"{path}: {'not a regular file' if path.exists() else 'missing'}"
+        if path.stat().st_size != want.get("bytes"):
+            return f"{path}: {path.stat().st_size} bytes, {want.get('bytes')} recorded at export"
+        if checksums and "sha256" in want and _sha256(path) != want["sha256"]:
+            return f"{path}: its sha256 differs from the one recorded at export"
+    except OSError as e:
+        return f"{path}: {e.strerror or e}"
+    return None
 
 
 def load_model(src: Path, device: str = "cpu", checksums: bool = True) -> tuple[GPT, RunConfig, Path]:
@@ -652,7 +672,7 @@ def load_model(src: Path, device: str = "cpu", checksums: bool = True) -> tuple[
         verify_export(src, info, checksums=checksums)
         where = src
     else:
-        where = checkpoint.locate(src, checksums=checksums)
+        where = resume.locate(src, checksums=checksums)
         cfg = run_config(checkpoint.read_meta(where), where / checkpoint.META)
         sd = consolidated_state_dict(where, checksums=checksums)
         check_weights(
@@ -683,253 +703,3 @@ def tokenizer_for(where: Path, cfg: RunConfig, tokenizer_path: str | None = None
         with contextlib.suppress(DataError):  # e.g. a trained BPE saved without its ranks file
             return load_tokenizer(path, tokenizer_path or cfg.data.tokenizer_path)
     return load_tokenizer(found[-1], tokenizer_path or cfg.data.tokenizer_path)
-
-
-MAX_SAMPLE_TOKENS = 10_000_000  # what one `pretrain sample` generates at most, all samples together
-_BATCH_BYTES = 1 << 30  # about the most a batch of samples side by side holds in activations
-_BATCH_TOKENS = 1 << 16  # tokens a batch makes before its samples are printed: one sample past that
-
-
-def sample_batch_size(m: ModelConfig, num_samples: int, max_new_tokens: int) -> int:
-    """How many samples are generated side by side: as many as fit in _BATCH_BYTES of activations
-    (a forward of a full context without gradients: embeddings, q/k/v, the MLP's hidden layer and
-    the attention scores, twice over) and _BATCH_TOKENS tokens; at least one."""
-    T = m.block_size
-    per_sample = 4 * 2 * T * (4 * m.n_embd + m.ffn_hidden + m.n_head * T) + 4 * (m.vocab_size or 0)
-    return max(1, min(num_samples, _BATCH_BYTES // per_sample, _BATCH_TOKENS // max_new_tokens))
-
-
-class _Decoder:
-    """A sample's text, token by token: a byte-level BPE token may end inside a character, which is
-    held back until the next token completes it (and decoded as `decode` would, with U+FFFD for
-    bytes that never form one)."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        enc = getattr(tokenizer, "enc", None)  # tiktoken's, for the byte-level BPEs
-        self.token_bytes = getattr(enc, "decode_single_token_bytes", None)
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if self.token_bytes else None
-
-    def __call__(self, ids: list[int]) -> str:
-        if self.token_bytes is None or self.utf8 is None:
-            return str(self.tokenizer.decode(ids))
-        return str(self.utf8.decode(b"".join(self.token_bytes(i) for i in ids)))
-
-    def flush(self) -> str:
-        return "" if self.utf8 is None else str(self.utf8.decode(b"", final=True))
-
-
-class _Continuation:
-    """What a sample adds to its prompt, piece by piece, ended before the first stop string in it:
-    `add` returns the text that can be shown now, holding back an end that may begin a stop string."""
-
-    def __init__(self, stop: Sequence[str]) -> None:
-        self.stop = [s for s in stop if s]
-        self.pending = ""  # made, not yet shown: no stop string begins before it
-        self.done = False  # a stop string came
-
-    def add(self, text: str, final: bool = False) -> str:
-        self.pending += text
-        found = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
-        if found:
-            self.done = True
-            shown, self.pending = self.pending[: min(found)], ""
-            return shown
-        cut = len(self.pending) - (0 if final else self._held())
-        shown, self.pending = self.pending[:cut], self.pending[cut:]
-        return shown
-
-    def _held(self) -> int:
-        """The length of the longest end of `pending` that begins a stop string."""
-        for n in range(min(len(self.pending), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
-            if any(s.startswith(self.pending[-n:]) for s in self.stop):
-                return n
-        return 0
-
-
-@dataclasses.dataclass
-class SampleCount:
-    """What a `stream_samples` has made so far: tokens generated, all samples together."""
-
-    tokens: int = 0
-
-
-def _next_tokens(
-    logits: torch.Tensor, temperature: float, top_k: int | None, vocab: int, gens: list[torch.Generator]
-) -> torch.Tensor:
-    """One token for each row of the next-token `logits` (B, V), on the CPU, row r drawn with
-    `gens[r]`, among the tokenizer's `vocab` ids only (a model's vocabulary may be padded past the
-    tokenizer's)."""
-    # (B, vocab), drawn from on the CPU in float64 (a temperature of 1e-300 is not 0 there; MPS has no
-    # float64): the same samples on every device, to the model's rounding.
-    logits = logits[:, :vocab].to("cpu", torch.float64)
-    # Shifted so that the likeliest is 0 before dividing: a tiny temperature is greedy, never 0/0.
-    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
-    if top_k is not None:
-        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-        logits[logits < v[:, [-1]]] = -float("inf")
-    probs = torch.softmax(logits, dim=-1)
-    if not bool(torch.isfinite(probs).all()):
-        raise DataError(
-            "the model's next-token probabilities are not finite (its outputs overflowed to NaN or inf): "
-            "sample another checkpoint, or on a GPU try --device cpu"
-        )
-    # Inverse-CDF sampling, one uniform number per row from its own (CPU) generator: the first token
-    # whose cumulative probability exceeds it, never one of probability 0 (right=True).
-    u = torch.tensor(
-        [torch.rand((), generator=g, dtype=torch.float64).item() for g in gens], dtype=torch.float64
-    )
-    cdf = probs.cumsum(dim=-1)
-    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    return picked.clamp_(max=probs.size(-1) - 1)
-
-
-@torch.no_grad()
-def stream_samples(
-    model: GPT,
-    tokenizer: Tokenizer,
-    prompt: str | Sequence[str],
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    seed: int,
-    num_samples: int = 1,
-    *,
-    stop: Sequence[str] = (),
-    kv_cache: bool = True,
-    count: SampleCount | None = None,
-    prompt_names: Sequence[str] | None = None,
-) -> Iterator[tuple[int, str]]:
-    """Each sample's text, samples in order, as (sample index, piece): the prompt, then what follows
-    it. With several prompts, prompt p's sample i is sample p * num_samples + i. Sample i of a prompt
-    draws from its own CPU generator, seeded seed + i: the samples of a prompt among others are the
-    ones it has alone, in any batch and on any device (to rounding).
-
-    Samples whose prompts are as long (in tokens) are made side by side in batches
-    (`sample_batch_size`), each batch's printed when it is done; a sample made alone (a long one)
-    comes token by token, as it is made. A sample ends after max_new_tokens tokens, or before the
-    first of the `stop` strings in what it adds to the prompt (a stop string is not part of it).
-    The context is the last block_size tokens, so memory stays bounded however long a sample is;
-    the KV cache (`GPT.next_logits`) gives the tokens a forward of the whole context gives. A prompt
-    the tokenizer refuses is named by `prompt_names` (by default `--prompt N`)."""
-    device = next(model.parameters()).device
-    m = model.cfg
-    vocab = tokenizer.vocab_size
-    if vocab > model.lm_head.out_features:
-        raise DataError(
-            f"the tokenizer has {vocab} tokens, the model {model.lm_head.out_features}: not the model's "
-            "tokenizer (check --tokenizer-path)"
-        )
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-    contexts = []
-    for p, text in enumerate(prompts):
-        try:
-            ids = tokenizer.encode(text) or [tokenizer.eot_token or 0]
-        except DataError as e:
-            name = prompt_names[p] if prompt_names else f"--prompt{'' if len(prompts) == 1 else f' {p + 1}'}"
-            raise DataError(f"{name}: {e}") from e
-        contexts.append(ids[-m.block_size :])
-    samples = [(p, i) for p in range(len(prompts)) for i in range(num_samples)]  # sample k's prompt, i
-    # A batch's samples start from contexts of one length: one position (and cache position) for all.
-    batch = sample_batch_size(m, len(samples), max_new_tokens)
-    batches: list[list[int]] = []
-    for n in dict.fromkeys(len(c) for c in contexts):  # the lengths, in the order of their first prompt
-        same = [k for k, (p, _) in enumerate(samples) if len(contexts[p]) == n]
-        batches += [same[j : j + batch] for j in range(0, len(same), batch)]
-    done: dict[int, str] = {}  # samples made and not yet printed: one before them is not made yet
-    printed = 0
-    for ks in batches:
-        live = ks == [printed]
-        made = _sample_batch(
-            model, tokenizer, [contexts[samples[k][0]] for k in ks], [seed + samples[k][1] for k in ks],
-            max_new_tokens, temperature, top_k, stop, kv_cache, count, device, live,
-        )  # fmt: skip
-        for r, text in made:
-            if live:
-                yield printed, text
-            else:
-                done[ks[r]] = done.get(ks[r], "") + text
-        printed += live
-        while printed in done:
-            yield printed, done.pop(printed)
-            printed += 1
-
-
-def _sample_batch(
-    model: GPT,
-    tokenizer: Tokenizer,
-    contexts: list[list[int]],
-    seeds: list[int],
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    stop: Sequence[str],
-    kv_cache: bool,
-    count: SampleCount | None,
-    device: torch.device,
-    live: bool,
-) -> Iterator[tuple[int, str]]:
-    """The texts of one batch of samples from contexts of one length, as (row, piece): each row's
-    whole at the end, or, `live`, the one row's piece by piece as its tokens come."""
-    m = model.cfg
-    gens = [torch.Generator().manual_seed(s % 2**64) for s in seeds]
-    decoders = [_Decoder(tokenizer) for _ in contexts]
-    ends = [_Continuation(stop) for _ in contexts]
-    texts = [d(c) for d, c in zip(decoders, contexts, strict=True)]
-    if live:
-        yield 0, texts[0]
-        texts[0] = ""
-    idx = torch.tensor(contexts, dtype=torch.long, device=device)  # (B, T)
-    cache = KVCache(m.n_layer, m.block_size) if kv_cache else None
-    rows = list(range(len(contexts)))  # the rows still generating, in idx's order
-    for _ in range(max_new_tokens):
-        nxt = _next_tokens(model.next_logits(idx, cache), temperature, top_k, tokenizer.vocab_size,
-                           [gens[r] for r in rows])  # fmt: skip
-        if count is not None:
-            count.tokens += len(rows)
-        idx = torch.cat((idx, nxt[:, None].to(device)), dim=1)[:, -m.block_size :]
-        for r, token in zip(rows, nxt.tolist(), strict=True):
-            piece = ends[r].add(decoders[r]([token]))
-            if live and piece:
-                yield r, piece
-            elif not live:
-                texts[r] += piece
-        going = [j for j, r in enumerate(rows) if not ends[r].done]
-        if len(going) < len(rows):  # a stop string ended some samples: go on without them
-            if not going:
-                break
-            keep = torch.tensor(going, device=device)
-            idx, rows = idx[keep], [rows[j] for j in going]
-            if cache is not None:
-                cache.keep(keep)
-    for r in range(len(contexts)):
-        rest = "" if ends[r].done else ends[r].add(decoders[r].flush(), final=True)
-        if live:
-            if rest:
-                yield r, rest
-        else:
-            yield r, texts[r] + rest
-
-
-def generate(
-    model: GPT,
-    tokenizer: Tokenizer,
-    prompt: str | Sequence[str],
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    seed: int,
-    num_samples: int = 1,
-    *,
-    stop: Sequence[str] = (),
-    kv_cache: bool = True,
-) -> list[str]:
-    """The samples of `stream_samples`, whole."""
-    n = num_samples * (1 if isinstance(prompt, str) else len(prompt))
-    texts = [""] * n
-    for i, piece in stream_samples(
-        model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, num_samples,
-        stop=stop, kv_cache=kv_cache,
-    ):  # fmt: skip
-        texts[i] += piece
-    return texts

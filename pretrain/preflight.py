@@ -33,11 +33,12 @@ from pretrain.cluster.reach import (
     ssh_argv,
 )
 from pretrain.config.ds_render import render_deepspeed
+from pretrain.config.run_sections import LaunchConfig
 from pretrain.config.tree import RunConfig
 from pretrain.data.dataset import MANIFEST, SPLITS, dataset_dirs, resolve_vocab
 from pretrain.data.shards import HEADER_SIZE
 from pretrain.errors import CheckpointError
-from pretrain.files import format_bytes
+from pretrain.files import format_bytes, write_atomic
 
 VERSION_KEYS = ("python", "torch", "deepspeed", "cuda", "nccl")
 # What each op is for. Both are built into DeepSpeed together, as setup.sh does: a reinstall of
@@ -361,7 +362,9 @@ def _check_ckpt(host: str, c: dict[str, Any] | None, cfg: RunConfig, report: Rep
         )
 
 
-def time_allreduce(cfg: RunConfig, opts: Options, answers: dict[str, dict[str, Any]], report: Report) -> None:
+def time_allreduce(
+    opts: Options, answers: dict[str, dict[str, Any]], report: Report, *, launch: LaunchConfig
+) -> None:
     """One process per slot on every host, one job-wide group, a timed all-reduce."""
     hosts = list(opts.hosts)
     cuda = all(answers[h]["versions"]["accelerator"] == "cuda" for h in hosts)
@@ -378,7 +381,7 @@ def time_allreduce(cfg: RunConfig, opts: Options, answers: dict[str, dict[str, A
         "iters": 10 if cuda else 5,
         "timeout": max(10, int(opts.timeout_s) - 10),
     }
-    env = launch_environment(cfg.launch)
+    env = launch_environment(launch)
 
     def one(host: str) -> tuple[str, subprocess.CompletedProcess[str]]:
         args = {**common, "rank_base": rank_base[host], "slots": opts.hosts[host]}
@@ -444,10 +447,7 @@ def format_report(report: Report) -> str:
 def check_run_dir(cfg: RunConfig, opts: Options, report: Report) -> None:
     """On this machine: no other run holds the run dir, and the checkpoint `--resume` would load
     verifies, through the reader training uses (each one it would skip is a warning)."""
-    from pretrain.training import (
-        checkpoint,
-        rundir,  # torch
-    )
+    from pretrain.training import checkpoint, resume, rundir  # torch
 
     host = next(iter(opts.hosts))
     run_dir = cfg.run_dir()
@@ -470,7 +470,7 @@ def check_run_dir(cfg: RunConfig, opts: Options, report: Report) -> None:
         return checkpoint.verify(p, checksums=opts.checksums)
 
     try:
-        found = checkpoint.resume_path(ckpt_dir, opts.resume, check, skipped.append)
+        found = resume.resume_path(ckpt_dir, opts.resume, check, skipped.append)
     except CheckpointError as e:
         report.problems.append(Problem(host, "resume", str(e), "pass a valid checkpoint, or its run dir"))
         return
@@ -489,5 +489,17 @@ def preflight(cfg: RunConfig, opts: Options) -> Report:
     if report.rows:
         check_run_dir(cfg, opts, report)
     if opts.allreduce and not report.problems:
-        time_allreduce(cfg, opts, answers, report)
+        time_allreduce(opts, answers, report, launch=cfg.launch)
     return report
+
+
+def save_allreduce(report: Report, run_dir: Path, hostfile: str) -> None:
+    """The all-reduce preflight timed, kept in the run dir for `pretrain plan`'s communication time
+    (nothing where it timed none)."""
+    if not report.allreduce:
+        return
+    from pretrain.cluster.rates import PREFLIGHT_FILE  # torch, which preflight has loaded already
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"hostfile": hostfile, "allreduce": report.allreduce}, indent=1) + "\n"
+    write_atomic(run_dir / PREFLIGHT_FILE, text)

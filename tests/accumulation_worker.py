@@ -20,7 +20,7 @@ import torch.distributed as tdist
 
 from pretrain.config.ds_render import render_deepspeed
 from pretrain.config.presets import build
-from pretrain.training import engine
+from pretrain.training import engine, ranks
 from pretrain.training.model import GPT
 
 MICRO = 256  # micro batches in the step: a power of two, so DeepSpeed's 1/MICRO loss scale is exact
@@ -91,8 +91,8 @@ def accumulated(cfg, data) -> tuple[dict[str, torch.Tensor], str, str]:
 
 def main() -> None:
     out, names = Path(sys.argv[1]), sys.argv[2].split(",")
-    dist = engine.launch_env()
-    engine.init_distributed(dist)
+    dist = ranks.launch_env()
+    ranks.init_distributed(dist)
     results = {}
     for name in names:
         cfg = build("tiny", overrides=[*BASE, *VARIANTS[name]], world_size=dist.world_size)
@@ -104,7 +104,7 @@ def main() -> None:
         results[name] = {"relative_error": diff / norm, "optimizer": optimizer, "accum_dtype": dtype}
     if dist.is_main:
         out.write_text(json.dumps(results, indent=1))
-    engine.leave_distributed()
+    ranks.leave_distributed()
 
 
 if __name__ == "__main__":

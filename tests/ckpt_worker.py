@@ -16,7 +16,7 @@ import torch.distributed as tdist
 
 from pretrain.config.presets import build
 from pretrain.errors import CheckpointError, DataError
-from pretrain.training import engine
+from pretrain.training import ranks
 from pretrain.training.loop import train
 
 # A small GPT on tiny-shakespeare, logging every step.
@@ -38,8 +38,8 @@ BASE = [
 
 def main() -> None:
     data_dir, out_dir, jobs_file = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    dist = engine.launch_env()
-    engine.init_distributed(dist)
+    dist = ranks.launch_env()
+    ranks.init_distributed(dist)
     results = {}
     for job in json.loads(jobs_file.read_text()):
         cfg = build(

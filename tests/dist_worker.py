@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as tdist
 
 from pretrain.config.presets import build
-from pretrain.training import engine
+from pretrain.training import ranks
 from pretrain.training.loop import train
 
 # A small GPT on tiny-shakespeare, 20 steps, logging every step.
@@ -49,8 +49,8 @@ VARIANTS = {
 
 def main() -> None:
     data_dir, out_dir, names = sys.argv[1], Path(sys.argv[2]), sys.argv[3].split(",")
-    dist = engine.launch_env()
-    engine.init_distributed(dist)
+    dist = ranks.launch_env()
+    ranks.init_distributed(dist)
     results = {}
     for name in names:
         cfg = build(

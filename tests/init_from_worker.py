@@ -1,6 +1,6 @@
 """One rank of the init_from test jobs, started by torchrun (or alone) from test_init_from.py.
 
-Each job starts a run with model.init_from through the real setup (`loop.setup`: tokenizer check,
+Each job starts a run with model.init_from through the real setup (`run.setup`: tokenizer check,
 the model section from config.json, the DeepSpeed engine at the job's ZeRO stage) and records the
 engine's logits on the input ids before any step; a job with `train` runs the real loop instead
 (the resume case). A pipeline's logits come from its last stage (`eval_batch`); under ZeRO 1 and 2
@@ -21,8 +21,9 @@ from safetensors.torch import save_file
 
 from pretrain.config.presets import build
 from pretrain.config.tree import required_vocab_size
-from pretrain.training import engine
-from pretrain.training.loop import setup, train
+from pretrain.training import ranks
+from pretrain.training.loop import train
+from pretrain.training.run import setup
 
 BASE = [
     "batch.micro_batch_size=2",
@@ -38,8 +39,8 @@ BASE = [
 
 def main() -> None:
     data_dir, out_dir, jobs_file = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    dist = engine.launch_env()
-    engine.init_distributed(dist)
+    dist = ranks.launch_env()
+    ranks.init_distributed(dist)
     ids = torch.tensor(json.loads(sys.argv[4]))
     logits = {}
     for job in json.loads(jobs_file.read_text()):

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.cluster.plan import plan_budget, render_budget
+from pretrain.cluster.plan import plan_budget
+from pretrain.cluster.plan_report import render_budget
 from pretrain.config.presets import build
 from pretrain.config.tree import to_yaml, validate
 from pretrain.errors import ConfigError

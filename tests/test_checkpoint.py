@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.config.tree import CheckpointConfig
-from pretrain.training import checkpoint, guards
+from pretrain.config.layout import Layout
+from pretrain.config.run_sections import CheckpointConfig
+from pretrain.training import checkpoint, faults, guards, resume, universal
 from tests.conftest import BIN, CORPUS, ROOT, ckpt, cli, subprocess_env, torchrun
 
 # ---------------------------------------------------------------------------------------------
@@ -105,7 +106,7 @@ def converted(two_ranks) -> Path:
     done = cli("convert", str(ckpt(out, "ws_z2", 4)))  # the command, end to end
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "wrote the universal checkpoint" in done.stdout
-    checkpoint.convert_to_universal(ckpt(out, "ws_z3", 4))  # the same function, in this process
+    universal.convert_to_universal(ckpt(out, "ws_z3", 4))  # the same function, in this process
     for run in ("ws_z2", "ws_z3"):
         uni = ckpt(out, run, 4) / "universal"
         assert checkpoint.verify(uni) == [] and checkpoint.read_meta(uni)["format"] == "universal"
@@ -329,8 +330,8 @@ def test_resume_auto_falls_back_past_invalid_checkpoints(two_ranks, tmp_path):
     meta = json.loads((ck / "step_00000010" / checkpoint.META).read_text())
     (ck / "step_00000010" / checkpoint.META).write_text(json.dumps({**meta, "step": 10}))
     reports: list[str] = []
-    found = checkpoint.find(
-        ck, "auto", world_size=2, zero_stage=2, checksums=True, group=None, report=reports.append
+    found = resume.find(
+        ck, "auto", layout=Layout(data=2, zero_stage=2), checksums=True, group=None, report=reports.append
     )
     assert found is not None and found.tag == "step_00000003" and found.step == 3
     text = "\n".join(reports)
@@ -341,15 +342,20 @@ def test_resume_auto_falls_back_past_invalid_checkpoints(two_ranks, tmp_path):
     assert "mp_rank_00_model_states.pt: sha256 differs from the one recorded at save" in text
     # without checksums a flipped byte goes unseen: step 6 is picked
     assert (
-        checkpoint.find(
-            ck, "auto", world_size=2, zero_stage=2, checksums=False, group=None, report=reports.append
+        resume.find(
+            ck,
+            "auto",
+            layout=Layout(data=2, zero_stage=2),
+            checksums=False,
+            group=None,
+            report=reports.append,
         ).tag
         == "step_00000006"
     )  # type: ignore[union-attr]
     # on another world size, the same checkpoint needs its universal conversion
     with pytest.raises(checkpoint.CheckpointError, match=r"pretrain convert .*step_00000003"):
-        checkpoint.find(
-            ck, "auto", world_size=1, zero_stage=2, checksums=True, group=None, report=reports.append
+        resume.find(
+            ck, "auto", layout=Layout(data=1, zero_stage=2), checksums=True, group=None, report=reports.append
         )
 
 
@@ -482,12 +488,12 @@ def test_stop_on_signal_ignores_repeats_but_not_a_second_ctrl_c():
 
 
 def test_faults_parse_and_fire_once(tmp_path):
-    f = guards.Faults(tmp_path, 8, env={"PRETRAIN_FAULT_NAN_STEPS": "2, 5", "PRETRAIN_FAULT_KILL": "1:7"})
+    f = faults.Faults(tmp_path, 8, env={"PRETRAIN_FAULT_NAN_STEPS": "2, 5", "PRETRAIN_FAULT_KILL": "1:7"})
     assert f.nan(8, 0) and f.nan(32, 0) and not f.nan(8, 1) and not f.nan(16, 0)
     (tmp_path / ".fault-kill-1-7").write_text("fired\n")
     f.after_step(7, 1)  # already fired: no kill
     assert f.kill_in_save_hook(3, 0) is None
-    f = guards.Faults(tmp_path, 8, env={"PRETRAIN_FAULT_HANG": "1:4:gil"})
+    f = faults.Faults(tmp_path, 8, env={"PRETRAIN_FAULT_HANG": "1:4:gil"})
     assert f.hang == (1, 4) and f.hang_holds_gil
     (tmp_path / ".fault-hang-1-4").write_text("fired\n")
     f.after_step(4, 1)  # already fired: no hang
@@ -505,13 +511,13 @@ def test_resume_refuses_another_arch_and_reads_model_fields_it_lacks_as_their_de
     newer = ("arch", "n_kv_head", "intermediate_size", "tie_embeddings")
     older = {k: v for k, v in cfg.model.model_dump(mode="json").items() if k not in newer}
     meta = {"config": {"model": older}, "tokenizer_fingerprint": ds.manifest["tokenizer"]["fingerprint"]}
-    old = checkpoint.Checkpoint(tmp_path, "step_00000002", meta)
-    checkpoint.check_compatible(old, cfg, [ds], warn=False)  # a gpt2 checkpoint from before `arch`
+    old = resume.Checkpoint(tmp_path, "step_00000002", meta)
+    resume.check_compatible(old, cfg, [ds], warn=False)  # a gpt2 checkpoint from before `arch`
     llama = RunConfig.model_validate({"model": {"vocab_size": 65, "arch": "llama"}})
     with pytest.raises(DataError) as e:
-        checkpoint.check_compatible(old, llama, [ds], warn=False)
+        resume.check_compatible(old, llama, [ds], warn=False)
     assert "model.arch: checkpoint has 'gpt2', this run has 'llama'" in str(e.value)
     assert "model.bias: checkpoint has True, this run has False" in str(e.value)
     untied = RunConfig.model_validate({"model": {"vocab_size": 65, "tie_embeddings": False}})
     with pytest.raises(DataError, match=r"model\.tie_embeddings: checkpoint has True, this run has False"):
-        checkpoint.check_compatible(old, untied, [ds], warn=False)
+        resume.check_compatible(old, untied, [ds], warn=False)

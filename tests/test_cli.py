@@ -305,12 +305,12 @@ def test_machine_output_is_exactly_its_format_on_stdout(tmp_path, args, parse):
 
 
 def test_deepspeeds_log_lines_follow_stderr_where_a_caller_redirects_it(tmp_path):
-    """In-process callers of cli.main (the fuzz test) capture stderr per call: DeepSpeed's lines
+    """In-process callers of cli.main (the fuzz test; logs.py) capture stderr per call: DeepSpeed's lines
     land in the stderr of the moment, never on stdout."""
     code = (
         "import contextlib, io\n"
-        "from pretrain import cli\n"
-        "cli.deepspeed_logs_to_stderr()\n"
+        "from pretrain import logs\n"
+        "logs.deepspeed_logs_to_stderr()\n"
         "from deepspeed.utils import logger\n"
         "err = io.StringIO()\n"
         "with contextlib.redirect_stderr(err):\n"

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.cli import render_file
+from pretrain.config.ds_configs import DS_CONFIG_RENDERS, render_file
 from pretrain.config.ds_keys import DEEPSPEED_PASSTHROUGH_KEYS
 from pretrain.config.ds_read import tree_from_deepspeed
 from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
-from pretrain.config.presets import DS_CONFIG_RENDERS, PRESETS, build
-from pretrain.config.tree import RunConfig, deep_merge, validate
+from pretrain.config.loading import deep_merge
+from pretrain.config.presets import PRESETS, build
+from pretrain.config.tree import RunConfig, validate
 from pretrain.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,9 @@ from pretrain.data.clean import CleanStats
 from pretrain.data.corpus import iter_documents
 from pretrain.data.dataset import load_manifest, open_datasets, shard_paths
 from pretrain.data.dedup import ExactDedup, MinHasher, NearDedup
-from pretrain.data.prepare import format_report, is_val_document, prepare
+from pretrain.data.encode import is_val_document
+from pretrain.data.prepare import prepare
+from pretrain.data.report import format_report
 from pretrain.data.shards import (
     HEADER_SIZE,
     ShardWriter,

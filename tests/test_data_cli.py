@@ -102,7 +102,7 @@ def test_data_prepare_progress_bar_on_a_terminal(tmp_path: Path) -> None:
 
 def test_data_prepare_warns_when_val_is_far_from_val_fraction(tmp_path: Path) -> None:
     """One huge document that hashes to val: one warning line naming it, and the fix."""
-    from pretrain.data.prepare import is_val_document
+    from pretrain.data.encode import is_val_document
 
     lines = [json.dumps({"text": f"small document number {i}"}) + "\n" for i in range(30)]
     huge = json.dumps({"text": "x y z " * 20000}) + "\n"

@@ -30,7 +30,8 @@ from pretrain.data.dataset import (
     stop_reading,
     write_manifest,
 )
-from pretrain.data.prepare import input_fingerprint, output_config, prepare
+from pretrain.data.fingerprint import input_fingerprint, output_config
+from pretrain.data.prepare import prepare
 from pretrain.data.shards import open_shard, write_shard
 from pretrain.data.tokenizer import CharTokenizer, load_tokenizer
 from tests.conftest import BIN, GPT2_DIR, cli, subprocess_env

@@ -15,10 +15,12 @@ from typing import Any
 import pytest
 
 from pretrain.cli import main, parser
+from pretrain.config.ds_configs import DS_CONFIG_RENDERS
 from pretrain.config.ds_keys import auto_paths
-from pretrain.config.ds_read import REQUIRED, SCHEDULERS, tree_from_deepspeed
+from pretrain.config.ds_optimizer import REQUIRED, SCHEDULERS
+from pretrain.config.ds_read import tree_from_deepspeed
 from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
-from pretrain.config.presets import DS_CONFIG_RENDERS, PRESETS, build, build_checked
+from pretrain.config.presets import PRESETS, build, build_checked
 from pretrain.errors import ConfigError
 from pretrain.training.schedule import lr_at
 from tests.conftest import ROOT, subprocess_env

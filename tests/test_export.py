@@ -54,7 +54,8 @@ def test_sample_from_an_export_and_from_a_checkpoint(two_ranks, exported):
     a = cli("sample", str(exported), *args)
     assert a.returncode == 0, a.stderr[-3000:]
     assert a.stdout.startswith("ROMEO:") and len(a.stdout.strip()) >= 40
-    from pretrain.export import generate, load_model, tokenizer_for
+    from pretrain.export import load_model, tokenizer_for
+    from pretrain.generate import generate
 
     model, cfg, where = load_model(ckpt(out, "z3_full", 8))  # consolidated in memory
     text = generate(model, tokenizer_for(where, cfg), "ROMEO:", 40, 0.9, 20, 7)[0]

@@ -112,7 +112,8 @@ def test_sample_refuses_unbounded_sizes_and_out_of_range_seeds(rope_run):
 def test_many_samples_are_made_in_batches_each_its_own_seed(rope_run):
     """Five thousand samples: made in batches of bounded memory (`--num-samples 100000000` allocated
     51 GB at once); sample i is the sample of --seed SEED+i alone."""
-    from pretrain.export import generate, load_model, sample_batch_size, tokenizer_for
+    from pretrain.export import load_model, tokenizer_for
+    from pretrain.generate import generate, sample_batch_size
 
     model, cfg, where = load_model(rope_run)
     assert sample_batch_size(cfg.model, 5000, 1) < 5000
@@ -154,7 +155,7 @@ def test_sample_draws_only_ids_the_tokenizer_has(rope_run):
     from pretrain.config.tree import RunConfig
     from pretrain.data.tokenizer import CharTokenizer
     from pretrain.errors import DataError
-    from pretrain.export import generate
+    from pretrain.generate import generate
     from pretrain.training.model import GPT
 
     tok = CharTokenizer(list("abcdefgh"))
@@ -173,7 +174,7 @@ def test_streamed_text_is_the_decoded_text():
     import random
 
     from pretrain.data.tokenizer import TiktokenTokenizer
-    from pretrain.export import _Decoder
+    from pretrain.generate import _Decoder
 
     tok = TiktokenTokenizer(GPT2_RANKS)
     rng = random.Random(0)

@@ -143,7 +143,7 @@ def test_launch_environment_refuses_what_a_shell_would_expand():
 
 
 def test_slurm_step_discovery(monkeypatch):
-    from pretrain.training import engine
+    from pretrain.training import ranks
 
     for k in [k for k in os.environ if k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "SLURM", "MASTER"))]:
         monkeypatch.delenv(k)
@@ -158,9 +158,9 @@ def test_slurm_step_discovery(monkeypatch):
     monkeypatch.setenv("SLURM_NODEID", "2")
     monkeypatch.setenv("SLURM_LOCALID", "1")
     with pytest.raises(RuntimeError, match="MASTER_ADDR"):
-        engine.launch_env()
+        ranks.launch_env()
     monkeypatch.setenv("MASTER_ADDR", "node-01")
-    dist = engine.launch_env()
+    dist = ranks.launch_env()
     assert (dist.rank, dist.world_size, dist.local_rank, dist.local_world_size) == (9, 10, 1, 2)
     assert os.environ["MASTER_PORT"] == "29500"
 
@@ -556,7 +556,7 @@ def test_a_master_addr_in_the_environment_does_not_skip_the_hostfile_check(tmp_p
 
 def test_launcher_world_size_reads_the_variables_launch_env_uses():
     """What `pretrain train` checks the config against before torch loads: the same world size
-    `engine.launch_env` will take, or None where only mpi4py (or a supervisor) knows it."""
+    `ranks.launch_env` will take, or None where only mpi4py (or a supervisor) knows it."""
     assert launcher_world_size({}) == 1  # no launcher: one rank
     assert launcher_world_size({"RANK": "3", "WORLD_SIZE": "16"}) == 16
     assert launcher_world_size({"RANK": "0"}) is None  # RANK without WORLD_SIZE: let launch_env say

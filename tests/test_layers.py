@@ -1,7 +1,9 @@
 """The package's rooms and the rule between them, read from the source: each module imports only
 its own room and the rooms below it, and the light commands load no torch.
 
-    errors, files  <-  config/  <-  data/  <-  cluster/  <-  training/  <-  export, preflight, plot  <-  cli, main
+    errors, files, logs  <-  config/  <-  data/  <-  cluster/  <-  training/  <-  export, generate, preflight, plot  <-  cli, cli_values, main
+
+and inside training/, floors of their own (TRAINING_FLOORS).
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "pretrain"
 
 LAYERS = [
-    {"errors", "files"},
+    {"errors", "files", "logs"},
     {"config"},
     {"data"},
     {"cluster"},
     {"training"},
-    {"export", "preflight", "plot"},
-    {"cli", "main", "__main__", "__init__"},
+    {"export", "generate", "preflight", "plot"},
+    {"cli", "cli_values", "main", "__main__", "__init__"},
 ]
 
 
@@ -94,6 +96,45 @@ def test_no_import_cycle():
 
     for module in g:
         visit(module, [])
+
+
+# training/ on its own floors: a module imports only the training modules on floors below its own.
+# The ground floor knows nothing of the others: who the ranks are (ranks.py rests on ds_internals.py
+# alone), the faults, the model. checkpoint.py (the format, saving) sits below resume.py (which one,
+# whether, loading) and universal.py (the conversion); the loop above everything it drives.
+TRAINING_FLOORS = [
+    {"ds_internals", "faults", "model", "schedule", "metrics", "rundir", "watchdog", "evaluate"},
+    {"ranks", "init_from", "tensor_parallel"},
+    {"checkpoint", "guards", "pipeline"},
+    {"engine", "resume"},
+    {"run", "universal"},
+    {"loop"},
+    {"entry"},
+]
+
+
+def training_floor(module: str) -> int:
+    name = module.split(".")[-1]
+    return next(i for i, floor in enumerate(TRAINING_FLOORS) if name in floor)
+
+
+def test_every_training_module_has_a_floor():
+    training = [m for m in graph() if room(m) == "training" and m != "pretrain.training"]
+    for module in training:
+        assert any(module.split(".")[-1] in floor for floor in TRAINING_FLOORS), f"{module}: on no floor"
+
+
+def test_training_imports_only_floors_below():
+    wrong = [
+        f"{module} (floor {training_floor(module)}) imports {dep} (floor {training_floor(dep)})"
+        for module, deps in graph().items()
+        if room(module) == "training" and module != "pretrain.training"
+        for dep in sorted(deps)
+        if room(dep) == "training"
+        and dep != "pretrain.training"
+        and training_floor(dep) >= training_floor(module)
+    ]
+    assert wrong == []
 
 
 @pytest.mark.parametrize(

@@ -8,18 +8,10 @@ import os
 
 import pytest
 
-from pretrain.cluster.plan import (
-    Rates,
-    activation_bytes,
-    comm_bytes,
-    comm_elements,
-    deepspeed_estimate,
-    largest_layer_params,
-    model_states,
-    plan_stages,
-    predict_step,
-    resolve_rates,
-)
+from pretrain.cluster.memory import activation_bytes, deepspeed_estimate, largest_layer_params, model_states
+from pretrain.cluster.plan import plan_stages
+from pretrain.cluster.rates import resolve_rates
+from pretrain.cluster.timing import Rates, comm_bytes, comm_elements, predict_step
 from pretrain.config.presets import build
 from pretrain.config.tree import analytic_flops_per_token, analytic_num_params, to_yaml
 from pretrain.errors import ConfigError

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pretrain.cli import main
-from pretrain.cluster.layout import Layout, stage_shares
+from pretrain.cluster.layout import stage_shares
 from pretrain.cluster.memory import (
     PROCESS_HOST_GB,
     after_backward_bytes,
@@ -23,7 +23,10 @@ from pretrain.cluster.memory import (
     model_states,
     rank_states,
 )
-from pretrain.cluster.plan import plan_stages, predict_step, resolve_rates
+from pretrain.cluster.plan import plan_stages
+from pretrain.cluster.rates import resolve_rates
+from pretrain.cluster.timing import predict_step
+from pretrain.config.layout import Layout
 from pretrain.config.presets import build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -283,10 +286,10 @@ def worker(out: Path) -> None:
 
     from pretrain.config.ds_render import render_deepspeed
     from pretrain.config.tree import analytic_num_params
-    from pretrain.training import engine
+    from pretrain.training import engine, ranks
 
-    dist = engine.launch_env()
-    engine.init_distributed(dist)
+    dist = ranks.launch_env()
+    ranks.init_distributed(dist)
     found = {}
     for stage, accum in ((1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16"), (3, "fp32"), (3, "bf16")):
         cfg = build(

@@ -11,16 +11,10 @@ import pytest
 
 from pretrain.cli import main
 from pretrain.cluster.hardware import gpu_memory_gb
-from pretrain.cluster.plan import (
-    Layout,
-    Rates,
-    bubble_fraction,
-    hardware_flops_per_token,
-    layout_of,
-    plan_stages,
-    predict_step,
-    stage_shares,
-)
+from pretrain.cluster.layout import stage_shares
+from pretrain.cluster.plan import plan_stages
+from pretrain.cluster.timing import Rates, bubble_fraction, hardware_flops_per_token, predict_step
+from pretrain.config.layout import Layout, layout_of
 from pretrain.config.presets import PRESETS, build
 from pretrain.config.tree import analytic_flops_per_token, analytic_num_params
 from tests.conftest import ROOT, subprocess_env
@@ -64,7 +58,7 @@ def test_one_stage_one_rank_is_the_whole_model():
 
 def test_memory_per_rank_of_tp2_pp2_by_hand():
     cfg = small("parallel.tensor=2", "parallel.pipeline=2")
-    assert layout_of(cfg, 8) == Layout(2, 2, 2)
+    assert layout_of(cfg, 8).shape == (2, 2) and layout_of(cfg, 8).data == 2
     # d 64, kv 2 x 16 = 32, f 128. A block: c_attn 64 x (64 + 2 x 32) + c_proj 64 x 64 = 12288 and the
     # SwiGLU 2 x 64 x 128 + 128 x 64 = 24576, split over 2 tensor ranks; its 2 norms (128) whole.
     block = (12288 + 24576) // 2 + 128

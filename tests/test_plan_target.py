@@ -11,7 +11,8 @@ import pytest
 
 from pretrain.cli import main
 from pretrain.cluster.launch import hostfile_target
-from pretrain.cluster.plan import deepspeed_estimate, largest_layer_params, plan_stages
+from pretrain.cluster.memory import deepspeed_estimate, largest_layer_params
+from pretrain.cluster.plan import plan_stages
 from pretrain.config.presets import build
 from pretrain.errors import HostfileError
 

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from pretrain.config.layout import Layout
 from pretrain.errors import CheckpointError, DataError
-from pretrain.training import checkpoint
+from pretrain.training import checkpoint, resume
 from tests.conftest import BIN, ROOT, TINY_SHAKESPEARE, cli, subprocess_env, torchrun
 
 TINY = [
@@ -167,15 +168,11 @@ def test_resume_reports_the_skipped_checkpoint(small_run, tmp_path):
     corrupt(run / "checkpoints" / "step_00000004" / "mp_rank_00_model_states.pt")
     ckpt_dir = run / "checkpoints"
     notes: list[str] = []
-    found = checkpoint.find(
-        ckpt_dir, "auto", world_size=1, zero_stage=0, checksums=True, group=None, report=notes.append
-    )
+    found = resume.find(ckpt_dir, "auto", layout=Layout(), checksums=True, group=None, report=notes.append)
     assert found is not None and found.step == 2
     assert any("step_00000004 is invalid, skipped" in n for n in notes)
     # --resume naming a run dir takes its newest valid checkpoint, as the other readers do.
-    found = checkpoint.find(
-        ckpt_dir, str(run), world_size=1, zero_stage=0, checksums=True, group=None, report=notes.append
-    )
+    found = resume.find(ckpt_dir, str(run), layout=Layout(), checksums=True, group=None, report=notes.append)
     assert found is not None and found.step == 2
 
 

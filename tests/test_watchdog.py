@@ -75,7 +75,7 @@ def test_a_hung_rank_dumps_the_stacks_of_every_rank_and_the_run_exits(char_datas
             time.strptime(text.split("stacks written at ")[1][:20], "%Y-%m-%dT%H:%M:%SZ")
         )
         assert written >= int(hung) + TIMEOUT_S - 1  # not before the deadline
-    assert re.search(r'guards\.py", line \d+ in _hang', stacks[1].read_text())  # where it hung
+    assert re.search(r'faults\.py", line \d+ in _hang', stacks[1].read_text())  # where it hung
     assert "distributed_c10d.py" in stacks[0].read_text()  # rank 0 waits in a collective
     print(f"hang -> exit {exited - hung:.1f} s (watchdog.timeout_s={TIMEOUT_S})")
 
@@ -136,5 +136,5 @@ def test_a_rank_holding_the_gil_is_caught_by_the_c_fallback(char_dataset, tmp_pa
     exited = time.time()
     assert proc.returncode == 1, log[-6000:]
     assert exited - _hang_time(log) <= TIMEOUT_S + 30, log[-6000:]
-    assert "Timeout (0:00:" in log and re.search(r'guards\.py", line \d+ in _hang', log), log[-6000:]
+    assert "Timeout (0:00:" in log and re.search(r'faults\.py", line \d+ in _hang', log), log[-6000:]
     assert not (run / "hang").exists()  # the Python thread never ran

@@ -27,8 +27,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from pretrain.config.tree import LaunchConfig
-from pretrain.errors import HostfileError
+from pretrain.config.run_sections import LaunchConfig
+from pretrain.errors import HostfileError, OutputError
+from pretrain.files import not_ours, read_bytes, write_atomic
 
 # DeepSpeed's own pattern, applied with re.search to the stripped line.
 _DS_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
@@ -60,27 +61,9 @@ def parse_hostfile(text: str, source: str = "<text>") -> dict[str, int]:
             continue
         host, digits = m.group(1), m.group(2).lstrip("0") or "0"
         slots = int(digits) if len(digits) <= 6 else MAX_SLOTS + 1
-        rest = line[m.end() :]
-        if rest and not rest[0].isspace():
-            problems.append(f"{where}: slots must be a whole number followed by a space or the end")
-        elif re.search(r"(^|\s)slots=", rest):
-            problems.append(f"{where}: slots given twice; give one 'slots=<N>' per line")
-        elif slots > MAX_SLOTS:
-            problems.append(
-                f"{where}: {m.group(2)[:12]}{'...' if len(m.group(2)) > 12 else ''} slots; slots is the number "
-                f"of accelerators (GPUs) on the host, at most {MAX_SLOTS}"
-            )
-        elif not valid_host(host):
-            problems.append(f"{where}: {host!r} is not a host name (letters, digits, '.', '-' and '_' only)")
-        elif slots == 0:
-            problems.append(f"{where}: zero slots; remove the line or give the number of accelerators")
-        elif host in hosts:
-            problems.append(f"{where}: {host} is listed twice; give each host one line with all its slots")
-        elif (same := next((h for h in hosts if h.lower() == host.lower()), None)) is not None:
-            problems.append(
-                f"{where}: {host} is {same} again (host names ignore case), which would start its ranks twice on "
-                "one machine; give each host one line with all its slots"
-            )
+        problem = _line_problem(m, line[m.end() :], hosts, slots=slots)
+        if problem:
+            problems.append(f"{where}: {problem}")
         else:
             hosts[host] = slots
     if not hosts and not problems:
@@ -88,6 +71,33 @@ def parse_hostfile(text: str, source: str = "<text>") -> dict[str, int]:
     if problems:
         raise HostfileError(problems, source)
     return hosts
+
+
+def _line_problem(m: re.Match[str], rest: str, hosts: dict[str, int], *, slots: int) -> str | None:
+    """What is wrong with a hostfile line that matched DeepSpeed's pattern (`m`, `rest` the text after
+    it), given the hosts of the lines before; None: nothing."""
+    host = m.group(1)
+    if rest and not rest[0].isspace():
+        return "slots must be a whole number followed by a space or the end"
+    if re.search(r"(^|\s)slots=", rest):
+        return "slots given twice; give one 'slots=<N>' per line"
+    if slots > MAX_SLOTS:
+        return (
+            f"{m.group(2)[:12]}{'...' if len(m.group(2)) > 12 else ''} slots; slots is the number "
+            f"of accelerators (GPUs) on the host, at most {MAX_SLOTS}"
+        )
+    if not valid_host(host):
+        return f"{host!r} is not a host name (letters, digits, '.', '-' and '_' only)"
+    if slots == 0:
+        return "zero slots; remove the line or give the number of accelerators"
+    if host in hosts:
+        return f"{host} is listed twice; give each host one line with all its slots"
+    if (same := next((h for h in hosts if h.lower() == host.lower()), None)) is not None:
+        return (
+            f"{host} is {same} again (host names ignore case), which would start its ranks twice on "
+            "one machine; give each host one line with all its slots"
+        )
+    return None
 
 
 def read_hostfile(path: str | Path) -> dict[str, int]:
@@ -170,7 +180,7 @@ MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_
 def launcher(env: Mapping[str, str] | None = None) -> Literal["env", "slurm", "mpi", "none"]:
     """What started this process, in the order its variables are trusted: "env" when RANK is set
     (deepspeed's launcher, torchrun), "slurm" in a Slurm job step (srun), "mpi" under an MPI
-    launcher (mpirun, mpiexec), "none" for a plain command. The one detection `engine.launch_env`
+    launcher (mpirun, mpiexec), "none" for a plain command. The one detection `ranks.launch_env`
     and `launcher_world_size` share."""
     e = os.environ if env is None else env
     if "RANK" in e:
@@ -223,3 +233,23 @@ def launch_environment(cfg: LaunchConfig) -> dict[str, str]:
 def env_file_text(env: dict[str, str]) -> str:
     """`.deepspeed_env` format: KEY=VALUE lines, read by DeepSpeed's multi-node runners and launch/*.sh."""
     return "".join(f"{k}={v}\n" for k, v in env.items())
+
+
+def write_env_file(out: Path, env: dict[str, str]) -> None:
+    """`launch-env --output`: the environment file written, atomically, where `out` holds no more than
+    this command writes (another setting in it is kept: refused, with the lines to add by hand)."""
+    text = env_file_text(env)
+    ours = set(env)
+
+    def lost(data: bytes) -> list[str]:
+        theirs = {line.split("=", 1)[0].strip() for line in data.decode(errors="replace").splitlines()}
+        return sorted(k for k in theirs - ours if k)
+
+    if not_ours([out], lambda data: not lost(data)):
+        old = read_bytes(out)
+        what = f"settings this command does not write ({', '.join(lost(old)[:4])})" if old else "no env file"
+        raise OutputError(
+            f"--output {out}: holds {what}; refusing to overwrite it: choose another file, or add these "
+            f"lines to it yourself:\n{text}"
+        )
+    write_atomic(out, text)

@@ -1,5 +1,5 @@
-"""The layout of a run's ranks: tensor x pipeline x data-parallel groups, the pipeline stages DeepSpeed
-cuts and what each of their ranks holds (parameters, FLOPs), and the ZeRO stages and offloads each
+"""What a layout of ranks (config/layout.py: tensor x pipeline x data-parallel) means for each rank:
+the pipeline stages DeepSpeed cuts and what each of their ranks holds (parameters, FLOPs), and the ZeRO stages and offloads each
 layout allows. `memory` counts a rank's bytes from it, `plan` its step time.
 """
 
@@ -8,9 +8,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from pretrain.config.batch import BatchConfig
 from pretrain.config.ds_render import pipeline_checkpoint_interval
-from pretrain.config.tree import ModelConfig, RunConfig, data_parallel_of
-from pretrain.errors import ConfigError
+from pretrain.config.engine_sections import OptimizerConfig
+from pretrain.config.layout import Layout
+from pretrain.config.tree import ModelConfig, RunConfig
 
 # (stage, offload_optimizer, offload_param): every stage, with and without offload.
 VARIANTS = [(0, False, False)] + [
@@ -19,35 +21,6 @@ VARIANTS = [(0, False, False)] + [
     for off, par in ((False, False), (True, False), (True, True))
     if s == 3 or not par
 ]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A world of ranks as tensor x pipeline x data-parallel groups (DeepSpeed's topology: tensor
-    ranks adjacent, then data, pipeline stages outermost)."""
-
-    tensor: int = 1
-    pipeline: int = 1
-    data: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.tensor * self.pipeline * self.data
-
-    def __str__(self) -> str:
-        return f"TP{self.tensor} x PP{self.pipeline} x DP{self.data}"
-
-
-def layout_of(cfg: RunConfig, world: int) -> Layout:
-    """`cfg`'s parallel section on `world` ranks, the data-parallel size as the tree derives it."""
-    par = cfg.parallel
-    dp = data_parallel_of({"world_size": world, "model_parallel": par.model_parallel})
-    if dp is None:
-        raise ConfigError(
-            [f"parallel: tensor x pipeline ({par.model_parallel}) does not divide the world size ({world})"],
-            "plan",
-        )
-    return Layout(par.tensor, par.pipeline, dp)
 
 
 @dataclass(frozen=True)
@@ -129,18 +102,18 @@ def _partition(weights: tuple[int, ...], parts: int, uniform: bool) -> list[int]
     return [int(c) for c in partition_balanced(weights=list(weights), num_parts=parts)]
 
 
-def in_flight(cfg: RunConfig, layout: Layout, share: StageShare) -> int:
+def in_flight(layout: Layout, share: StageShare, *, batch: BatchConfig) -> int:
     """Micro batches whose activations a stage keeps at once: one without pipeline; under the 1F1B
     schedule stage s runs pipeline - s forwards before its first backward (all m when m is fewer)."""
-    return min(layout.pipeline - share.index, cfg.batch.gradient_accumulation_steps)
+    return min(layout.pipeline - share.index, batch.gradient_accumulation_steps)
 
 
-def layout_variants(layout: Layout, cfg: RunConfig) -> list[tuple[int, bool, bool]]:
+def layout_variants(layout: Layout, *, optimizer: OptimizerConfig) -> list[tuple[int, bool, bool]]:
     """The (stage, offload_optimizer, offload_param) that combine with a layout, as
     `tree.parallel_problems` allows them: ZeRO 0-1 without offload under pipeline (1 alone with
     gradient clipping), 0-2 with tensor parallel, everything with data parallelism alone."""
     if layout.pipeline > 1:
-        lowest = 1 if cfg.optimizer.grad_clip > 0 else 0
+        lowest = 1 if optimizer.grad_clip > 0 else 0
         return [v for v in VARIANTS if lowest <= v[0] <= 1 and not v[1]]
     if layout.tensor > 1:
         return [v for v in VARIANTS if v[0] <= 2]

@@ -45,7 +45,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pretrain.cluster.layout import Layout, StageShare, in_flight, layer_params, recomputes
+from pretrain.cluster.layout import StageShare, in_flight, layer_params, recomputes
+from pretrain.config.layout import Layout
 from pretrain.config.tree import RunConfig
 
 GB = 1e9
@@ -384,7 +385,7 @@ def activation_bytes(cfg: RunConfig, layout: Layout | None = None, share: StageS
     recompute = min(every, blocks) * per_layer if every else 0
     logits = s * b * vocab * (a + 4) if last else 0  # the logits and cross-entropy's fp32 softmax
     embedded = s * b * h * a if first else 0  # the embedding output
-    count = 1 if share is None else in_flight(cfg, layout, share)
+    count = 1 if share is None else in_flight(layout, share, batch=cfg.batch)
     return float(count * (kept + logits + embedded) + recompute)
 
 

@@ -66,7 +66,7 @@ def check_ops(names: list[str]) -> dict[str, dict[str, str]]:
     try:
         import torch  # DeepSpeed needs torch; without either, every op is missing
 
-        # The accelerator the engine will pick (engine.init_distributed), before DeepSpeed picks one.
+        # The accelerator the engine will pick (ranks.init_distributed), before DeepSpeed picks one.
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
         from deepspeed.accelerator import get_accelerator
         from deepspeed.git_version_info import accelerator_name, installed_ops

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 from pretrain.cluster.evidence import PublishedRun
 from pretrain.cluster.hardware import gpu_memory_gb
-from pretrain.cluster.plan import Rates, Target, host_memory_gb, plan_stages, predict_step, resolve_rates
+from pretrain.cluster.plan import plan_stages
+from pretrain.cluster.rates import resolve_rates
+from pretrain.cluster.target import Target, host_memory_gb
+from pretrain.cluster.timing import Rates, predict_step
 from pretrain.config.presets import build
 from pretrain.config.tree import RunConfig, analytic_num_params
 

@@ -14,7 +14,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from pretrain.config.ds_keys import AUTO, MONITOR_DIRS, RECORD, ZERO_AUTO, auto_paths
-from pretrain.config.tree import ModelConfig, RunConfig, deep_merge
+from pretrain.config.loading import deep_merge
+from pretrain.config.tree import ModelConfig, RunConfig
 from pretrain.errors import ConfigError
 
 

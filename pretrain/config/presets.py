@@ -1,5 +1,4 @@
-"""Named starting points for a run, the layered build of a run's config, and the DeepSpeed JSONs
-rendered into `ds_configs/`.
+"""Named starting points for a run, and the layered build of a run's config.
 
 A preset is a partial tree (a nested dict) merged over the defaults; a run config file, a
 DeepSpeed JSON and `--set` overrides go on top, in that order (`build`). The char-level presets
@@ -14,11 +13,13 @@ import copy
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from pretrain.config.ds_read import deepspeed_problems, recorded_run, tree_from_deepspeed
+from pretrain.config.ds_read import recorded_run, tree_from_deepspeed
+from pretrain.config.ds_validators import deepspeed_problems
 from pretrain.config.hf import SHAPE_FIELDS, model_shape
-from pretrain.config.tree import RunConfig, deep_merge, load_file, merge_layer, parse_override, validate
+from pretrain.config.loading import deep_merge, load_file, merge_layer, parse_override
+from pretrain.config.tree import RunConfig, validate
 from pretrain.errors import CheckpointError, ConfigError
 
 _GPT2_DATA = {"tokenizer": "gpt2"}
@@ -211,24 +212,6 @@ def preset_dict(name: str) -> dict[str, Any]:
     return {"preset": name, **copy.deepcopy(PRESETS[name])}
 
 
-# Files in ds_configs/: name -> (preset, overrides, world size). A test keeps them in sync.
-DS_CONFIG_RENDERS: dict[str, tuple[str, list[str], int]] = {
-    "zero1": ("gpt2-124m", ["zero.stage=1"], 16),
-    "zero2": ("gpt2-124m", ["zero.stage=2"], 16),
-    "zero3": ("gpt2-124m", ["zero.stage=3"], 16),
-    "zero2_offload": ("gpt-6.7b", [], 16),
-    "zero3_offload": ("gpt-6.7b", ["zero.stage=3", "zero.offload_param=true"], 16),
-    "cpu_zero2": ("tiny", ["zero.stage=2"], 2),
-    # The Llama 2 presets on A100-80GB nodes of 8 (hostfiles/a100x16: 2 nodes, a100x64: 8), each at
-    # 1024 sequences a step: on 8 nodes the accumulation shrinks as the data-parallel size grows.
-    "llama7b_2x8": ("llama-7b", [], 16),
-    "llama7b_8x8": ("llama-7b", ["batch.gradient_accumulation_steps=4"], 64),
-    "llama13b_2x8": ("llama-13b", [], 16),
-    "llama13b_8x8": ("llama-13b", ["batch.gradient_accumulation_steps=8"], 64),
-    "llama70b_8x8": ("llama-70b", [], 64),
-}
-
-
 def build(
     preset: str | None = None,
     *,
@@ -247,31 +230,12 @@ def build(
     file_data = load_file(config_file) if config_file else {}
     ds = load_file(ds_file) if ds_file else None
     recorded = recorded_run(ds, str(ds_file)) if ds is not None else None
-    if ds is not None and preset is None and not config_file and recorded is None:
-        needs = (
-            f"{ds_file} was not rendered by pretrain, so it does not say which model to train: pass "
-            f"--preset NAME (one of: {', '.join(PRESETS)}) or --config FILE"
-        )
-        try:  # the JSON's own problems too, read against the default preset: every problem at once
-            tree_from_deepspeed(
-                ds, str(ds_file), preset_dict("tiny"), world_size=world_size, record=False, quiet=True
-            )
-        except ConfigError as e:
-            raise ConfigError([needs, *e.problems], "DeepSpeed JSON") from None
-        raise ConfigError([needs], "DeepSpeed JSON")
-    base = preset_dict(preset or str(file_data.get("preset", "")) or "tiny")
-    if recorded is not None and preset is None and not config_file:
-        base = deep_merge(preset_dict(recorded["preset"]), recorded)
+    named = preset is not None or bool(config_file)
+    if ds is not None and not named and recorded is None:
+        _refuse_unnamed_model(ds, str(ds_file), world_size)
+    base = _base(preset or str(file_data.get("preset", "")) or "tiny", None if named else recorded)
     data = merge_layer(base, file_data)
-    over: dict[str, Any] = {}
-    problems: list[str] = []
-    for item in overrides or []:
-        try:
-            over = deep_merge(over, parse_override(item))
-        except ConfigError as e:
-            problems += e.problems
-    if problems:
-        raise ConfigError(problems, "override")
+    over = _overrides(overrides or [])
     tree: dict[str, Any] = {}
     if ds is not None:
         # "auto" in the JSON resolves against the tree without it: the layers below, and the overrides
@@ -282,6 +246,47 @@ def build(
     data = merge_layer(data, over)
     if not any("warmup_steps" in layer.get("schedule", {}) for layer in (file_data, tree, over)):
         data = with_preset_warmup_fitted(data, base)
+    return _validated(data, world_size, resume=resume)
+
+
+def _base(preset: str, recorded: dict[str, Any] | None) -> dict[str, Any]:
+    """The lowest layer: the preset, or the one a rendered JSON records, with its model and tokenizer."""
+    return (
+        deep_merge(preset_dict(recorded["preset"]), recorded) if recorded is not None else preset_dict(preset)
+    )
+
+
+def _refuse_unnamed_model(ds: dict[str, Any], ds_file: str, world_size: int | None) -> NoReturn:
+    """A DeepSpeed JSON written elsewhere with neither a preset nor a config file: refused, with the
+    JSON's own problems (read against the default preset) too, every problem at once."""
+    needs = (
+        f"{ds_file} was not rendered by pretrain, so it does not say which model to train: pass "
+        f"--preset NAME (one of: {', '.join(PRESETS)}) or --config FILE"
+    )
+    try:
+        tree_from_deepspeed(ds, ds_file, preset_dict("tiny"), world_size=world_size, record=False, quiet=True)
+    except ConfigError as e:
+        raise ConfigError([needs, *e.problems], "DeepSpeed JSON") from None
+    raise ConfigError([needs], "DeepSpeed JSON")
+
+
+def _overrides(items: list[str]) -> dict[str, Any]:
+    """The `--set` overrides merged into one layer; every malformed one reported at once."""
+    over: dict[str, Any] = {}
+    problems: list[str] = []
+    for item in items:
+        try:
+            over = deep_merge(over, parse_override(item))
+        except ConfigError as e:
+            problems += e.problems
+    if problems:
+        raise ConfigError(problems, "override")
+    return over
+
+
+def _validated(data: dict[str, Any], world_size: int | None, *, resume: bool) -> RunConfig:
+    """`data` with init_from's shape taken, validated; a directory that cannot give the shape is
+    reported with the rest of the config's problems."""
     try:
         data = with_init_from_shape(data, resume=resume)
     except CheckpointError as e:  # the directory's config.json: reported with the rest of the config

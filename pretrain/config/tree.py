@@ -1,31 +1,24 @@
-"""The settings tree: one pydantic model per section, the single source of truth for a run.
+"""The settings tree: `RunConfig`, the single source of truth for a run, with the sections of the
+model, the data and the LR schedule, the rules across sections, and `validate`, which reports every
+problem at once.
 
-Here: the sections, their cross-field rules, reading config files and `--set` overrides, and
-`validate`, which reports every problem at once. The DeepSpeed JSON is rendered from the tree (and
-read back into it) in ds_render.py and ds_read.py; presets and the layered build are in presets.py. World size is
-an input (`context`), never probed here.
+The other sections are in engine_sections.py (optimizer, parallel, precision, ZeRO, compile),
+batch.py (the batch arithmetic) and run_sections.py (checkpoints, logs, launch, watchdog), on the
+base in section.py; files and overrides are read in loading.py. The DeepSpeed JSON is rendered from
+the tree (and read back into it) in ds_render.py and ds_read.py; presets and the layered build are
+in presets.py. World size is an input (`context`), never probed here.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import re
-import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from pretrain.config.batch import BatchConfig, positive_int
 from pretrain.config.ds_keys import (
     MODELED_DEEPSPEED_KEYS,
     PARTLY_MODELED,
@@ -33,43 +26,17 @@ from pretrain.config.ds_keys import (
     auto_paths,
     unknown_deepspeed_keys,
 )
+from pretrain.config.engine_sections import (
+    CompileConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    ZeroConfig,
+)
+from pretrain.config.loading import GLOBAL_BATCH
+from pretrain.config.run_sections import CheckpointConfig, LaunchConfig, LoggingConfig, WatchdogConfig
+from pretrain.config.section import Section
 from pretrain.errors import ConfigError, did_you_mean
-
-
-class Section(BaseModel):
-    """A section of the tree: unknown fields are errors, bounds live in the field types, and the
-    rules across fields are `broken_rules`, all reported at once."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_bool_for_a_number(cls, data: Any) -> Any:
-        """`n_layer: true` is a mistake, not 1: pydantic reads a bool as an int (or a float)."""
-        if isinstance(data, dict):
-            for name, field in cls.model_fields.items():
-                value = data.get(name)
-                kinds = set(typing.get_args(field.annotation)) or {field.annotation}
-                if isinstance(value, bool) and kinds & {int, float} and bool not in kinds:
-                    raise ValueError(
-                        f"{name}: {str(value).lower()} is a yes/no, not a number (write the number)"
-                    )
-        return data
-
-    def broken_rules(self, context: dict[str, Any]) -> list[str]:
-        """One message for each cross-field rule this section breaks (`context`: the world size)."""
-        return []
-
-    @model_validator(mode="after")
-    def _check(self, info: ValidationInfo) -> Section:
-        context = info.context or {}
-        if context.get("rules_later"):  # `validate`'s second pass: the rules are asked for afterwards
-            return self
-        problems = self.broken_rules(context)
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
-
 
 # ---------------------------------------------------------------------------------------------
 # Sections
@@ -207,6 +174,10 @@ class ModelConfig(Section):
     def broken_rules(self, context: dict[str, Any]) -> list[str]:
         if self.n_embd % self.n_head:
             return [f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"]
+        return self._position_problems() + self._arch_problems()
+
+    def _position_problems(self) -> list[str]:
+        """RoPE's pairs of dimensions, and the fields that only a rotary position takes."""
         problems = []
         if self.position == "rope" and self.rotary_pct == 1.0 and self.head_size % 2:
             problems.append(f"RoPE needs an even head size, got n_embd/n_head = {self.head_size}")
@@ -222,6 +193,12 @@ class ModelConfig(Section):
                 "parallel_residual is the GPT-NeoX (Pythia) layout: arch gpt2 with position rope "
                 f"(got arch {self.arch}, position {self.position})"
             )
+        return problems
+
+    def _arch_problems(self) -> list[str]:
+        """The heads, and what each arch fixes: llama's whole-head RoPE, no biases, SwiGLU; gpt2's
+        full multi-head attention."""
+        problems = []
         if self.arch == "llama" and self.rotary_pct != 1.0:
             problems.append("arch llama rotates the whole head: leave model.rotary_pct unset (1.0)")
         if self.n_head % self.kv_heads:
@@ -446,41 +423,6 @@ class DataConfig(Section):
         return Path(self.dataset_dir.format(corpus=name, tokenizer=tokenizer))
 
 
-class OptimizerConfig(Section):
-    lr: float = Field(1e-3, gt=0.0, le=10.0, description="Peak learning rate, reached after warmup.")
-    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
-        (0.9, 0.95), description="AdamW betas."
-    )
-    eps: float = Field(1e-8, gt=0.0, le=1.0, description="AdamW epsilon.")
-    weight_decay: float = Field(
-        0.1,
-        ge=0.0,
-        le=1.0,
-        description="Decoupled weight decay; never applied to biases, norms or embeddings.",
-    )
-    grad_clip: float = Field(1.0, ge=0.0, description="Clip the global gradient norm to this; 0 disables.")
-    adam_w_mode: bool = Field(
-        True,
-        description="AdamW (decoupled weight decay). False: Adam with L2 regularization, the decay added to the "
-        "gradient (DeepSpeed's adam_w_mode false).",
-    )
-    bias_correction: bool = Field(
-        True,
-        description="Adam's bias correction of the moments. False (DeepSpeed's bias_correction false, as BERT's "
-        "recipes train) needs DeepSpeed's FusedAdam or CPUAdam: torch.optim.AdamW always corrects.",
-    )
-    fused_adam: bool = Field(
-        False,
-        description="DeepSpeed's FusedAdam kernel (JIT-built, fast on CUDA) instead of torch.optim.AdamW. "
-        "Optimizer offload always uses DeepSpeedCPUAdam.",
-    )
-    torch_fused: bool = Field(
-        True,
-        description="With torch.optim.AdamW (fused_adam off, no offload): its fused kernel, one pass over "
-        "all parameters instead of a Python loop per tensor (CPU and CUDA).",
-    )
-
-
 class ScheduleConfig(Section):
     """How long the run trains, and its learning rate. Three budgets end a run, whichever binds
     first: `max_steps`, `max_tokens` (both known up front, so the LR schedule is laid out over the one
@@ -551,546 +493,6 @@ class ScheduleConfig(Section):
     def binding(self, tokens_per_step: int) -> str:
         """Which of max_steps and max_tokens ends the run (max_hours, if it comes first, by the clock)."""
         return "max_tokens" if self.total_steps(tokens_per_step) < self.max_steps else "max_steps"
-
-
-def data_parallel_of(context: dict[str, Any]) -> int | None:
-    """The data-parallel size a world of ranks leaves: world / (tensor x pipeline), the one place it
-    is derived (None: no world size, or one the model-parallel size does not divide)."""
-    world, mp = context.get("world_size"), context.get("model_parallel", 1)
-    return None if world is None or world % mp else world // mp
-
-
-class ParallelConfig(Section):
-    """Model parallelism through DeepSpeed. A world of ranks is tensor x pipeline x data-parallel:
-    a block's heads and MLP width split over `tensor` ranks (DeepSpeed AutoTP), the layers split
-    into `pipeline` stages (deepspeed.pipe), each stage's tensor group replicated over the
-    data-parallel ranks that remain, with ZeRO over those. The pipeline's micro-batches per step
-    are batch.gradient_accumulation_steps, as DeepSpeed names them."""
-
-    tensor: int = Field(
-        1,
-        ge=1,
-        le=64,
-        description="Tensor-parallel degree (DeepSpeed's tensor_parallel.autotp_size): each block's attention "
-        "heads and MLP width split across this many ranks. Keep it within a node (its all-reduces run "
-        "twice per block, forward and backward).",
-    )
-    pipeline: int = Field(
-        1,
-        ge=1,
-        le=256,
-        description="Pipeline stages (DeepSpeed's pipeline engine): the layers split into this many stages, "
-        "e.g. one per node. Micro-batches per step: batch.gradient_accumulation_steps.",
-    )
-    partition_method: Literal["parameters", "uniform"] = Field(
-        "parameters",
-        description="How the layers are balanced over the stages (PipelineModule's partition_method): "
-        "'parameters' evens out the parameter counts (the embeddings weigh on the first and last stage), "
-        "'uniform' the layer counts.",
-    )
-    activation_checkpoint_interval: int | None = Field(
-        None,
-        ge=0,
-        description="Pipeline: recompute the activations of every this many layers in backward "
-        "(PipelineModule's activation_checkpoint_interval; 0: none). None: 1 with "
-        "model.activation_checkpointing, else 0.",
-    )
-
-    @property
-    def model_parallel(self) -> int:
-        return self.tensor * self.pipeline
-
-
-class BatchConfig(Section):
-    """`train_batch_size = micro_batch_size x gradient_accumulation_steps x data_parallel_size`,
-    derived here and nowhere else. The world size is the validation's `context`: without one (a
-    config shown or checked before launch) the data-parallel size, and so the batch, stay unresolved
-    (None); a config built for a world size has both, and `sequences` reads the batch as an int.
-
-    A global batch (`global_batch_sequences`, or `global_batch_tokens` with the context's block
-    size) gives gradient_accumulation_steps for the data-parallel size at hand instead."""
-
-    micro_batch_size: int = Field(32, ge=1, description="Sequences per rank per forward/backward.")
-    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro batches per optimizer step.")
-    data_parallel_size: int | None = Field(
-        None,
-        ge=1,
-        validate_default=True,
-        description="Data-parallel ranks. None: the launch's world size / (parallel.tensor x parallel.pipeline).",
-    )
-    train_batch_size: int | None = Field(
-        None,
-        ge=1,
-        validate_default=True,
-        description="Sequences per optimizer step. Derived; if given it must match.",
-    )
-    global_batch_sequences: int | None = Field(
-        None,
-        ge=1,
-        le=10**9,
-        description="Sequences per optimizer step, from which gradient_accumulation_steps is derived for the "
-        "world size at hand: global / (micro_batch_size x data_parallel_size), which must be whole. "
-        "None: the accumulation as given.",
-    )
-    global_batch_tokens: int | None = Field(
-        None,
-        ge=1,
-        le=10**13,
-        description="Tokens per optimizer step (global_batch_sequences x model.block_size, as GPT-NeoX and "
-        "nanoGPT state a batch, e.g. 524288), from which gradient_accumulation_steps is derived likewise. "
-        "Give this or global_batch_sequences.",
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _accumulation_from_global_batch(cls, data: Any, info: ValidationInfo) -> Any:
-        """A global batch sets the accumulation, where the data-parallel size is known and the global
-        batch divides into it and no accumulation is given (`broken_rules` reports the rest)."""
-        if not isinstance(data, dict) or data.get("gradient_accumulation_steps") is not None:
-            return data
-        context = info.context or {}
-        seqs = global_sequences(
-            data.get("global_batch_sequences"), data.get("global_batch_tokens"), context.get("block_size")
-        )
-        dp = data.get("data_parallel_size")
-        dp = data_parallel_of(context) if dp is None else dp
-        micro = data.get("micro_batch_size", cls.model_fields["micro_batch_size"].default)
-        if all(_whole(x) for x in (seqs, dp, micro)) and seqs % (micro * dp) == 0:
-            data = {**data, "gradient_accumulation_steps": seqs // (micro * dp)}
-        return data
-
-    @field_validator("data_parallel_size")
-    @classmethod
-    def _from_world(cls, dp: int | None, info: ValidationInfo) -> int | None:
-        """None: world size / model-parallel size (tensor x pipeline), where the world size is known
-        and that divides it (a given one that differs, or a world it does not divide, is a broken rule)."""
-        return data_parallel_of(info.context or {}) if dp is None else dp
-
-    @field_validator("train_batch_size")
-    @classmethod
-    def _derived(cls, tbs: int | None, info: ValidationInfo) -> int | None:
-        """None: the product, where the data-parallel size is known (a given one must match it)."""
-        micro, acc = info.data.get("micro_batch_size"), info.data.get("gradient_accumulation_steps")
-        dp = info.data.get("data_parallel_size")
-        if tbs is not None or micro is None or acc is None or dp is None:
-            return tbs
-        return int(micro * acc * dp)
-
-    def broken_rules(self, context: dict[str, Any]) -> list[str]:
-        world, dp, mp = context.get("world_size"), self.data_parallel_size, context.get("model_parallel", 1)
-        problems = []
-        if world is not None and dp is not None and dp * mp != world:  # None took world / mp
-            problems.append(self._world_mismatch(dp, world, mp))
-        if dp is not None:
-            derived = self.micro_batch_size * self.gradient_accumulation_steps * dp
-            if self.train_batch_size != derived:
-                problems.append(
-                    f"train_batch_size ({self.train_batch_size}) != micro_batch_size ({self.micro_batch_size})"
-                    f" x gradient_accumulation_steps ({self.gradient_accumulation_steps})"
-                    f" x data_parallel_size ({dp}) = {derived}"
-                )
-        return problems + self._global_batch_problems(dp, context.get("block_size"))
-
-    def _global_batch_problems(self, dp: int | None, block_size: int | None) -> list[str]:
-        """The global batch that no whole accumulation gives (with the nearest that do), or one that
-        disagrees with the accumulation given beside it."""
-        g_seq, g_tok = self.global_batch_sequences, self.global_batch_tokens
-        if g_seq is not None and g_tok is not None:
-            return [
-                f"global_batch_sequences ({g_seq}) and global_batch_tokens ({g_tok}) both given: give one"
-            ]
-        if dp is None and block_size is not None:
-            return self._global_batch_without_world(block_size)
-        if (g_tok is not None and block_size is None) or (g_seq is None and g_tok is None) or dp is None:
-            return []  # no global batch, or nothing yet to derive the accumulation from
-        micro, acc = self.micro_batch_size, self.gradient_accumulation_steps
-        name, given, per = (
-            ("global_batch_tokens", g_tok, block_size)
-            if g_tok is not None
-            else ("global_batch_sequences", g_seq, 1)
-        )
-        assert given is not None and per is not None
-        unit = micro * dp * per  # what one more accumulation step adds
-        times_block = f" x model.block_size ({per})" if per > 1 else ""
-        if given % unit == 0:
-            if given // unit == acc:
-                return []
-            return [
-                f"{name} ({given}) and gradient_accumulation_steps ({acc}) disagree: {given} / (micro_batch_size "
-                f"({micro}) x data_parallel_size ({dp}){times_block}) is accumulation {given // unit}. Give one of "
-                "them: a global batch derives the accumulation for the world size at hand"
-            ]
-        below, above = given // unit * unit, (given // unit + 1) * unit
-        nearest = (
-            f"{below} and {above} (accumulation {below // unit} and {above // unit})"
-            if below
-            else f"{above} (accumulation 1)"
-        )
-        micros = _nearest_divisors(given // (dp * per), micro) if given % (dp * per) == 0 else []
-        keep = (
-            f", or keep {given} with micro_batch_size {' or '.join(map(str, micros))}"
-            if micros
-            else f" (no micro batch size keeps {given}: it is not a multiple of data_parallel_size ({dp}){times_block})"
-        )
-        return [
-            f"{name} ({given}) is not a multiple of micro_batch_size ({micro}) x data_parallel_size ({dp})"
-            f"{times_block} = {unit}, so no whole gradient_accumulation_steps gives it: the nearest "
-            f"{name} that divide are {nearest}{keep}"
-        ]
-
-    def _global_batch_without_world(self, block_size: int) -> list[str]:
-        """Without a world size (`pretrain config`): a global batch that no world size gives, as
-        `render` and `train` would refuse it for theirs. Not a whole number of sequences; or not a
-        multiple of the micro batch (x the accumulation, where one is given beside it)."""
-        g_seq, g_tok = self.global_batch_sequences, self.global_batch_tokens
-        if g_tok is not None and g_tok % block_size:
-            below, above = g_tok // block_size * block_size, (g_tok // block_size + 1) * block_size
-            near = f"{below} or {above}" if below else str(above)
-            return [
-                f"global_batch_tokens ({g_tok}) is not a whole number of sequences of model.block_size "
-                f"({block_size}): the nearest that are, {near}"
-            ]
-        seqs = global_sequences(g_seq, g_tok, block_size)
-        if seqs is None:
-            return []
-        micro, given = self.micro_batch_size, "gradient_accumulation_steps" in self.model_fields_set
-        per_rank = micro * (self.gradient_accumulation_steps if given else 1)
-        if seqs % per_rank == 0:
-            return []
-        name = "global_batch_tokens" if g_tok is not None else "global_batch_sequences"
-        value = g_tok if g_tok is not None else g_seq
-        if given:
-            return [
-                f"{name} ({value}) and gradient_accumulation_steps ({self.gradient_accumulation_steps}) disagree "
-                f"whatever the world size: {seqs} sequences are not a multiple of micro_batch_size ({micro}) x "
-                f"{self.gradient_accumulation_steps}. Give one of them: a global batch derives the accumulation "
-                "for the world size at hand"
-            ]
-        of = f" ({seqs} sequences)" if g_tok is not None else ""
-        return [
-            f"{name} ({value}){of} is not a multiple of micro_batch_size ({micro}): no world size gives it a "
-            "whole gradient_accumulation_steps. Change micro_batch_size or the global batch"
-        ]
-
-    @property
-    def sequences(self) -> int:
-        """train_batch_size, resolved: sequences per optimizer step of a config built for a world size."""
-        if self.train_batch_size is None:
-            raise ConfigError(["batch.data_parallel_size is unresolved: pass a world size"], "batch")
-        return self.train_batch_size
-
-    def _world_mismatch(self, dp: int, world: int, mp: int) -> str:
-        # No "; " in the message: `validate` splits a section's problems there.
-        if world % mp:
-            return (
-                f"data_parallel_size ({dp}) x tensor x pipeline ({mp}) cannot make the world size ({world}): "
-                f"a world of {world} ranks is not a multiple of {mp}"
-            )
-        want = world // mp
-        fix = f"pass --set batch.data_parallel_size={want}"
-        acc = self.gradient_accumulation_steps * dp
-        if self.global_batch_sequences is not None or self.global_batch_tokens is not None:
-            fix += " (the global batch derives the accumulation for it)"
-        elif acc % want == 0:
-            batch = self.micro_batch_size * acc
-            fix += f" (with --set batch.gradient_accumulation_steps={acc // want} to keep {batch} sequences per step)"
-        of = (
-            f"the world size ({world})"
-            if mp == 1
-            else f"world size / (tensor x pipeline) ({world} / {mp} = {want})"
-        )
-        return f"data_parallel_size ({dp}) does not match {of}: {fix}"
-
-
-def global_sequences(sequences: Any, tokens: Any, block_size: Any) -> int | None:
-    """The sequences of a global batch given in sequences, or in tokens of `block_size` (None: no
-    global batch, or one that is not a whole number of sequences)."""
-    if sequences is not None and tokens is None:
-        return sequences if _whole(sequences) else None
-    if sequences is None and _whole(tokens) and _whole(block_size) and tokens % block_size == 0:
-        return int(tokens // block_size)
-    return None
-
-
-def _whole(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
-
-
-def _nearest_divisors(n: int, near: int) -> list[int]:
-    """The divisors of `n` nearest `near`: the largest below it and the smallest above it."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    divisors = sorted({*small, *(n // d for d in small)})
-    below = [d for d in divisors if d < near][-1:]
-    above = [d for d in divisors if d > near][:1]
-    return below + above
-
-
-class PrecisionConfig(Section):
-    bf16: bool = Field(False, description="bfloat16 parameters and compute (fp32 master weights).")
-    fp16: bool = Field(False, description="float16 with dynamic loss scaling.")
-    initial_scale_power: int = Field(16, ge=0, le=64, description="fp16: initial loss scale is 2**this.")
-    loss_scale_window: int = Field(1000, ge=1, description="fp16: clean steps before the scale grows.")
-    hysteresis: int = Field(2, ge=1, description="fp16: overflows tolerated before the scale drops.")
-    min_loss_scale: float = Field(1.0, gt=0, description="fp16: floor of the dynamic loss scale.")
-    loss_scale: float = Field(
-        0.0,
-        ge=0.0,
-        description="fp16: a static loss scale; 0 scales dynamically (from 2**initial_scale_power).",
-    )
-    grad_accum_dtype: Literal["fp32", "bf16"] = Field(
-        "fp32",
-        description="bf16: the dtype the micro batches' gradients are summed in (DeepSpeed's "
-        "data_types.grad_accum_dtype), at ZeRO stages 1-3. fp32 keeps an fp32 gradient buffer (4 bytes a "
-        "parameter: whole at stage 1, partitioned at 2 and 3) and all-reduces in fp32; bf16 sums in bf16 and "
-        "loses about 2e-2 of each gradient over 256 micro batches (fp32: 2e-8). DeepSpeed's stage 0 sums in "
-        "bf16 only.",
-    )
-    tf32: bool = Field(
-        True,
-        description="fp32 matmuls and convolutions on the TF32 tensor cores of NVIDIA Ampere and later (8x the "
-        "fp32 rate on an A100, a 10-bit mantissa in the products, fp32 sums), as Megatron does; no effect on "
-        "CPUs, older GPUs, or the 16-bit matmuls of bf16 and fp16.",
-    )
-
-    def broken_rules(self, context: dict[str, Any]) -> list[str]:
-        return ["bf16 and fp16 cannot both be on"] if self.bf16 and self.fp16 else []
-
-    @property
-    def accumulates_in_fp32(self) -> bool:
-        """Whether DeepSpeed is asked to sum bf16 gradients in an fp32 buffer."""
-        return self.bf16 and self.grad_accum_dtype == "fp32"
-
-    def accumulation_note(self, micro_batches: int, data_parallel: int | None) -> str | None:
-        """What summing bf16 gradients in bf16 costs, where the config asks for it (said by `pretrain
-        config` and `render`); None where nothing is summed in bf16."""
-        if not self.bf16 or self.grad_accum_dtype != "bf16" or micro_batches * (data_parallel or 1) < 2:
-            return None
-        ranks = f" x {data_parallel} data-parallel ranks" if data_parallel and data_parallel > 1 else ""
-        return (
-            f"precision.grad_accum_dtype bf16: the gradients of {micro_batches} micro batches{ranks} are summed "
-            "in bf16, which keeps 8 bits of each sum (over 256 micro batches about 2e-2 of the gradient is lost, "
-            "2e-8 in fp32); it saves the fp32 gradient buffer (4 bytes a parameter). "
-            "precision.grad_accum_dtype=fp32 (the default, zero.stage 1-3) sums them in fp32"
-        )
-
-    @property
-    def name(self) -> str:
-        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
-
-
-class ZeroConfig(Section):
-    stage: Literal[0, 1, 2, 3] = Field(
-        0, description="ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters."
-    )
-    offload_optimizer: bool = Field(False, description="Keep optimizer state in CPU memory (stages 1-3).")
-    offload_param: bool = Field(False, description="Keep parameters in CPU memory (stage 3 only).")
-    pin_memory: bool = Field(True, description="Page-locked CPU buffers for offload (faster copies on CUDA).")
-    overlap_comm: bool = Field(True, description="Overlap gradient reduction with backward.")
-    contiguous_gradients: bool = Field(True, description="Copy gradients into one buffer as produced.")
-    reduce_bucket_size: int = Field(500_000_000, ge=1, description="Elements per gradient reduce bucket.")
-    allgather_bucket_size: int = Field(500_000_000, ge=1, description="Elements per allgather bucket.")
-    init_on_construct: bool = Field(
-        True, description="Stage 3: build the model under deepspeed.zero.Init, partitioned from the start."
-    )
-
-    def broken_rules(self, context: dict[str, Any]) -> list[str]:
-        problems = []
-        if self.offload_param and self.stage != 3:
-            problems.append(f"offload_param needs stage 3 (stage is {self.stage})")
-        if self.offload_optimizer and self.stage == 0:
-            problems.append("offload_optimizer needs stage 1, 2 or 3 (stage is 0)")
-        return problems
-
-
-class CompileConfig(Section):
-    """torch.compile of the model, applied through DeepSpeed's engine (`engine.compile`), which
-    compiles the module in place: its parameters and state_dict keys stay those of the eager model,
-    so checkpoints and exports are the same either way."""
-
-    enabled: bool = Field(
-        False,
-        description="Compile the model's forward (and, through AOTAutograd, its backward) with torch.compile. "
-        "The first steps pay the compilation (tens of seconds on a CPU, cached on disk by TorchInductor).",
-    )
-    backend: str = Field(
-        "inductor", min_length=1, description="torch.compile backend: inductor, aot_eager, eager, ..."
-    )
-    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
-        "default",
-        description="torch.compile mode: 'reduce-overhead' adds CUDA graphs, 'max-autotune' searches kernels "
-        "(long compiles).",
-    )
-    dynamic: bool | None = Field(
-        None,
-        description="Dynamic shapes: False compiles for the exact shapes met, True for symbolic ones, None "
-        "(torch's default) starts static and goes dynamic on a shape change. Training shapes are fixed.",
-    )
-
-    def broken_rules(self, context: dict[str, Any]) -> list[str]:
-        if self.mode != "default" and self.backend != "inductor":
-            return [
-                f"mode {self.mode!r} is a TorchInductor mode: it needs backend 'inductor', not {self.backend!r}"
-            ]
-        return []
-
-
-class CheckpointConfig(Section):
-    dir: str = Field(
-        "checkpoints", min_length=1, description="Checkpoint directory, relative to the run dir."
-    )
-    interval: int = Field(
-        500, ge=1, description="Save every this many steps, at the end, and on SIGTERM/SIGINT."
-    )
-    keep_last: int = Field(3, ge=1, description="Keep the newest this many checkpoints.")
-    milestone_interval: int | None = Field(
-        None, ge=1, description="Also keep, for good, every checkpoint whose step is a multiple of this."
-    )
-    keep_best: bool = Field(
-        False,
-        description="Also keep the checkpoint with the lowest validation loss (among checkpoints saved "
-        "at an evaluation step: align interval with logging.eval_interval).",
-    )
-    checksums: bool = Field(
-        True,
-        description="Record the sha256 of every checkpoint file, and verify them before resuming; "
-        "off, only the file sizes are checked.",
-    )
-    max_bad_steps: int = Field(
-        3,
-        ge=1,
-        description="Steps in a row with a non-finite loss, each skipped, before the run rolls back to "
-        "its last checkpoint and moves the data past the bad batches.",
-    )
-    max_rollbacks: int = Field(
-        3, ge=0, description="Rollbacks one run may make before it stops with an error."
-    )
-
-    def due(self, step: int, max_steps: int, stop_requested: bool = False) -> bool:
-        """Whether step `step` (1-based, just done) saves: every `interval`, at the end, and when a
-        signal asks the run to stop."""
-        return step % self.interval == 0 or step == max_steps or stop_requested
-
-
-class LoggingConfig(Section):
-    run_dir: str = Field(
-        "runs/{preset}", min_length=1, description="Run directory: config, logs, checkpoints."
-    )
-    log_interval: int = Field(10, ge=1, description="Log every this many steps.")
-    eval_interval: int = Field(250, ge=1, description="Evaluate validation loss every this many steps.")
-    eval_batches: int = Field(20, ge=1, description="Micro batches per rank in each evaluation.")
-    sample_tokens: int = Field(300, ge=0, description="Tokens of text generated at the end of the run.")
-    sample_prompt: str = Field("\n", description="Prompt of the final sample.")
-    tensorboard: bool = Field(
-        True, description="TensorBoard event files in <run_dir>/tensorboard, through DeepSpeed's monitor."
-    )
-    csv_monitor: bool = Field(
-        False, description="DeepSpeed's csv_monitor too: one CSV per metric in <run_dir>/csv_monitor."
-    )
-    wandb: bool = Field(
-        False, description="Weights & Biases through DeepSpeed's monitor, if the wandb package is installed."
-    )
-    wandb_project: str = Field("pretrain", min_length=1, description="W&B project.")
-    wandb_group: str | None = Field(None, description="W&B group of runs.")
-    wandb_team: str | None = Field(None, description="W&B team (entity).")
-    progress_bar: bool | Literal["auto"] = Field(
-        "auto", description="tqdm progress bar with an ETA on rank 0: true, false, or 'auto' (on a terminal)."
-    )
-    peak_tflops: float | None = Field(
-        None,
-        gt=0,
-        description="Device peak TFLOP/s per rank for MFU. None: known GPUs from a table, "
-        "the CPU from a matmul probe cached on disk.",
-    )
-
-    def log_due(self, step: int, max_steps: int) -> bool:
-        """Whether step `step` (1-based) logs a metrics row: every `log_interval`, and at the end."""
-        return step % self.log_interval == 0 or step == max_steps
-
-    def eval_due(self, step: int, max_steps: int) -> bool:
-        """Whether step `step` (1-based, just done) evaluates: every `eval_interval`, and at the end."""
-        return step % self.eval_interval == 0 or step == max_steps
-
-
-# Values that reach a shell on every host (DeepSpeed's pdsh runner, launch/*.sh): no spaces, quotes,
-# `$` or backslashes, so nothing in them is ever expanded or split.
-_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
-_ENV_VALUE = r"^[A-Za-z0-9_@%+=:,./^-]*$"
-
-
-class LaunchConfig(Section):
-    """The environment of every rank on every host, rendered to `.deepspeed_env` by `pretrain launch-env`."""
-
-    socket_ifname: str | None = Field(
-        None,
-        description="Network interface(s) for NCCL and gloo traffic (NCCL_SOCKET_IFNAME, "
-        "GLOO_SOCKET_IFNAME), e.g. 'ib0' or 'eth0'. None lets each library choose.",
-    )
-    ib_hca: str | None = Field(
-        None,
-        description="InfiniBand adapters NCCL may use (NCCL_IB_HCA), e.g. 'mlx5_0,mlx5_1' or '^mlx5_2'.",
-    )
-    nccl_debug: Literal["VERSION", "WARN", "INFO", "TRACE"] | None = Field(
-        "WARN", description="NCCL_DEBUG: INFO prints the chosen transports and rings at start-up."
-    )
-    nccl_ib_timeout: int | None = Field(
-        None, ge=1, le=31, description="NCCL_IB_TIMEOUT: InfiniBand verbs timeout, 4.096 us x 2**this."
-    )
-    collective_timeout_s: int = Field(
-        1800,
-        ge=10,
-        description="Process-group timeout: a collective waiting longer on a dead or stuck rank fails the "
-        "run instead of hanging it.",
-    )
-    env: dict[str, str | int | float] = Field(
-        default_factory=dict,
-        description="Any other variables for every rank, e.g. {NCCL_NET_GDR_LEVEL: PHB} or PATH "
-        "(keep the venv's bin first so DeepSpeed's op builds find the same ninja everywhere).",
-    )
-
-    def broken_rules(self, context: dict[str, Any]) -> list[str]:
-        modeled = {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_DEBUG", "NCCL_IB_TIMEOUT"}
-        problems = [
-            f"{name}={value!r}: only letters, digits and _@%+=:,./^- (no spaces, quotes or $)"
-            for name, value in (("socket_ifname", self.socket_ifname), ("ib_hca", self.ib_hca))
-            if value is not None and not re.match(_ENV_VALUE, value)
-        ]
-        for key, value in self.env.items():
-            if not re.match(_ENV_NAME, key):
-                problems.append(f"env: {key!r} is not a variable name")
-            elif key in modeled:
-                problems.append(f"env: {key} has its own launch field, set that")
-            if not re.match(_ENV_VALUE, str(value)):
-                problems.append(
-                    f"env: {key}={value!r}: only letters, digits and _@%+=:,./^- (no spaces, quotes or $)"
-                )
-        return problems
-
-
-class WatchdogConfig(Section):
-    """The hang watchdog: a run whose steps stop completing dumps every rank's stacks and exits, so
-    that a supervisor (`train --max-restarts`, Slurm) restarts it from the newest checkpoint."""
-
-    timeout_s: int = Field(
-        1800,
-        ge=0,
-        description="Seconds a step may take, counted from the end of the previous one, before every "
-        "rank writes its Python stacks to <run_dir>/hang/ and the run exits with code 124. 0: no watchdog.",
-    )
-    slow_timeout_s: int = Field(
-        3600,
-        ge=0,
-        description="The allowance instead of timeout_s for what legitimately takes long: the first step "
-        "of a run or of a resume (compilation, warm-up), an evaluation, a checkpoint save, a rollback. 0: "
-        "those are not watched.",
-    )
-
-    def broken_rules(self, context: dict[str, Any]) -> list[str]:
-        if self.timeout_s and self.slow_timeout_s and self.slow_timeout_s < self.timeout_s:
-            return [
-                f"slow_timeout_s ({self.slow_timeout_s}) is below timeout_s ({self.timeout_s}): the "
-                "allowance for the first step, evaluations and saves must be at least a step's"
-            ]
-        return []
 
 
 class RunConfig(Section):
@@ -1277,185 +679,6 @@ def parallel_problems(cfg: RunConfig, world: int | None) -> list[str]:
     return problems
 
 
-# ---------------------------------------------------------------------------------------------
-# Building a tree: preset < config file < --ds JSON < --set overrides, validated once.
-
-
-def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-GLOBAL_BATCH = ("global_batch_sequences", "global_batch_tokens")
-_SPLIT_BATCH = ("gradient_accumulation_steps", "train_batch_size")
-
-
-def merge_layer(lower: dict[str, Any], upper: dict[str, Any]) -> dict[str, Any]:
-    """`deep_merge` of one layer of the build over the layers below it, where a batch stated one way
-    replaces the other way below it: a global batch (which derives the accumulation) drops an
-    accumulation, a train_batch_size and the other global batch field of the layers below, and an
-    accumulation or train_batch_size drops their global batch. Within one layer both are checked
-    against each other."""
-    up, low = upper.get("batch"), lower.get("batch")
-    if isinstance(up, dict) and isinstance(low, dict):
-        drop = (
-            GLOBAL_BATCH + _SPLIT_BATCH
-            if any(k in up for k in GLOBAL_BATCH)
-            else GLOBAL_BATCH
-            if any(k in up for k in _SPLIT_BATCH)
-            else ()
-        )
-        lower = {**lower, "batch": {k: v for k, v in low.items() if k not in drop}}
-    return deep_merge(lower, upper)
-
-
-def parse_override(item: str) -> dict[str, Any]:
-    """`a.b.c=value` -> {"a": {"b": {"c": value}}}, the value parsed as a YAML scalar."""
-    key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError([f"--set {item!r}: expected key=value, e.g. model.n_layer=4"], "override")
-    try:
-        value = yaml.load(raw, _UniqueKeyLoader) if raw.strip() else raw
-    except yaml.constructor.ConstructorError as e:
-        raise ConfigError([f"--set {item!r}: {e.problem}"], "override") from None
-    except yaml.YAMLError:
-        value = raw
-    out: dict[str, Any] = {}
-    node = out
-    parts = key.strip().split(".")
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-    node[parts[-1]] = value
-    return out
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last) and
-    an integer that is not plain decimal, which YAML 1.1 reads in another base: a leading zero as
-    octal (`n_layer: 010` is 8), `0x10` as hexadecimal (16), `0b11` as binary (3), `1:30` as
-    base 60 (90)."""
-
-    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
-        text = str(node.value).replace("_", "").lstrip("+-")
-        value = int(super().construct_yaml_int(node))
-        if len(text) > 1 and text[0] == "0" and text[1].isdigit():
-            raise yaml.constructor.ConstructorError(
-                None, None, f"{node.value}: a number with a leading 0 reads as octal in YAML "
-                f"({value}); write it without the 0", node.start_mark,
-            )  # fmt: skip
-        base = {"0x": "hexadecimal", "0b": "binary"}.get(text[:2].lower(), "base 60" if ":" in text else None)
-        if base is not None:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"{node.value}: YAML reads this as a {base} number ({value}); write it in "
-                f"decimal ({value}), or quote it where text is meant", node.start_mark,
-            )  # fmt: skip
-        return value
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, str | int | float | bool) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}: give each key once", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
-
-
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """json.loads' object hook: a key given twice in one object is an error, not the last one wins."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}: give each key once")
-        out[key] = value
-    return out
-
-
-MAX_CONFIG_BYTES = 4_000_000
-MAX_CONFIG_NODES = 100_000
-
-
-def _expanded_size(node: Any, seen: dict[int, int]) -> int:
-    """Values in `node` with every shared (aliased) part counted each time it appears."""
-    if not isinstance(node, dict | list):
-        return 1
-    if id(node) not in seen:
-        seen[id(node)] = 0  # a cycle counts once
-        children = node.values() if isinstance(node, dict) else node
-        seen[id(node)] = 1 + sum(_expanded_size(c, seen) for c in children)
-    return seen[id(node)]
-
-
-def _placeholders(text: str) -> str:
-    """A hint where a JSON holds a template's bare names for values (`"train_batch_size": GB_SIZE`)."""
-    names = sorted(set(re.findall(r":\s*([A-Z][A-Z0-9_]*)\s*[,}\n]", text)) - {"NaN", "Infinity"})
-    if not names:
-        return ""
-    return (
-        f"; it is a template with placeholder values ({', '.join(names)}): write a value for each, as the "
-        "script it came with does before it launches"
-    )
-
-
-def load_file(path: str | Path) -> dict[str, Any]:
-    """A config file or a DeepSpeed JSON: a mapping, each key given once, UTF-8 text."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError([f"{p}: {'not a regular file' if p.exists() else 'no such file'}"], "config file")
-    kind = "JSON" if p.suffix == ".json" else "YAML"
-    text = ""
-    try:
-        size = p.stat().st_size
-        if size > MAX_CONFIG_BYTES:
-            raise ConfigError(
-                [
-                    f"{p}: {size:,} bytes; a config is a few KB (at most {MAX_CONFIG_BYTES:,}): is it the right file?"
-                ],
-                "config file",
-            )
-        text = p.read_text(encoding="utf-8")
-        if p.suffix not in (".yaml", ".yml") and text.lstrip().startswith("{"):
-            kind = "JSON"  # a DeepSpeed JSON by another name (ds_config.conf): YAML reads 1e5 as text
-        data = (
-            json.loads(text, object_pairs_hook=_unique_pairs)
-            if kind == "JSON"
-            else yaml.load(text, _UniqueKeyLoader)
-        )
-    except UnicodeDecodeError as e:
-        raise ConfigError(
-            [f"{p}: not UTF-8 text ({e.reason} at byte {e.start}); is it the right file?"], "config file"
-        ) from None
-    except OSError as e:
-        raise ConfigError([f"{p}: unreadable ({e.strerror or e})"], "config file") from None
-    except (ValueError, yaml.YAMLError) as e:  # JSONDecodeError is a ValueError
-        raise ConfigError(
-            [f"{p}: not valid {kind}: {str(e)[:500]}{_placeholders(text)}"], "config file"
-        ) from None
-    except RecursionError:
-        raise ConfigError([f"{p}: nested too deeply to be a config"], "config file") from None
-    if data is None:
-        return {}
-    try:
-        huge = _expanded_size(data, {}) > MAX_CONFIG_NODES  # YAML aliases can make a small file huge
-    except RecursionError:
-        huge = True
-    if huge:
-        raise ConfigError(
-            [f"{p}: nested too deeply or expands to over {MAX_CONFIG_NODES:,} values (YAML aliases?)"],
-            "config file",
-        )
-    if not isinstance(data, dict):
-        raise ConfigError([f"{p}: top level must be a mapping, got {type(data).__name__}"], "config file")
-    return data
-
-
 def _loc(loc: tuple[int | str, ...]) -> str:
     return ".".join(str(x) for x in loc if not str(x).startswith("function-after"))
 
@@ -1510,7 +733,7 @@ def _block_size(data: dict[str, Any]) -> int | None:
     model = data.get("model")
     size = model.get("block_size") if isinstance(model, dict) else None
     size = ModelConfig.model_fields["block_size"].default if size is None else size
-    return size if _whole(size) else None
+    return size if positive_int(size) else None
 
 
 def _is_section(annotation: Any) -> bool:

@@ -4,8 +4,8 @@
                                                                           ├─ main: dedup in corpus
     train_00000.bin ... val_00000.bin ◀─ ShardWriter ◀─ split by name ◀────┘  order, write shards
 
-Worker processes (one per core, started by a fork server) take chunks of input in order and send
-back tokens and hashes; the main process keeps the first of each duplicate, so the output does not depend on the
+Worker processes (one per core, started by a fork server: workers.py) take chunks of input in order
+and send back tokens and hashes (encode.py); the main process keeps the first of each duplicate, so the output does not depend on the
 number of workers. Memory stays constant apart from the dedup indexes (see dedup.py). Like any
 multiprocessing child, a worker imports the calling program's main module again: keep heavy
 imports out of a script's top level.
@@ -23,29 +23,21 @@ included, and leave the previous dataset as it was.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
-import json
-import multiprocessing
-import multiprocessing.connection
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Generator, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass, field
-from multiprocessing import forkserver
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from pretrain.config.tree import CleanConfig, DataConfig
-from pretrain.data.chunks import Chunk, Document, plan_tasks, read_chunk
+from pretrain.config.tree import DataConfig
+from pretrain.data.chunks import Chunk, plan_tasks, read_chunk
 from pretrain.data.clean import Cleaner, CleanStats
 from pretrain.data.dataset import (
     MANIFEST,
@@ -56,379 +48,28 @@ from pretrain.data.dataset import (
     load_manifest,
     open_datasets,
     stop_reading,
+    summary,
     too_small_vocab,
     write_manifest,
 )
-from pretrain.data.dedup import NEAR_DEDUP, ExactDedup, MinHasher, NearDedup, exact_hash, shingle_hashes
+from pretrain.data.dedup import NEAR_DEDUP, ExactDedup, NearDedup
+from pretrain.data.encode import Encoded, Setup, chars_task, encode_task, init_worker, words_task
+from pretrain.data.fingerprint import (
+    There,
+    input_files,
+    input_fingerprint,
+    listed_changes,
+    output_config,
+    what_is_there,
+)
+from pretrain.data.report import Progress, format_report, manifest_report, split_warnings, stats_line
 from pretrain.data.shards import ShardInfo, ShardWriter, dtype_for_vocab
-from pretrain.data.sources import (
-    DOWNLOADS,
-    HF_PREFIX,
-    HFOptions,
-    format_of,
-    is_saved_dataset,
-    iter_input_files,
-)
-from pretrain.data.tokenizer import (
-    BPE_RANKS_FILE,
-    BPETokenizer,
-    CharTokenizer,
-    TiktokenTokenizer,
-    Tokenizer,
-    count_words,
-)
+from pretrain.data.tokenizer import BPE_RANKS_FILE, BPETokenizer, CharTokenizer, TiktokenTokenizer, Tokenizer
+from pretrain.data.workers import STUCK_POOL, Interrupted, Workers, stopping_on_signals, uninterrupted
 from pretrain.errors import DataError, require
-from pretrain.files import FileLock, check_output_dir, format_bytes, replace_dir, short_name, staging_dir
+from pretrain.files import FileLock, check_output_dir, replace_dir, short_name, staging_dir
 
-# DataConfig fields that do not change what prepare writes (where inputs come from, how many
-# workers, what the loader does): a change in them keeps a prepared dataset valid.
-NOT_OUTPUT_FIELDS = frozenset(
-    {
-        "source",
-        "download_dir",
-        "tokenizer_path",
-        "workers",
-        "chunk_bytes",
-        "blend",
-        "prefetch",
-        "verify_shards",
-        "dataset_dir",
-        "hf_streaming",
-    }
-)
-# Output fields that older manifests lack: left out of the comparison while at their defaults.
-_NEW_OUTPUT_DEFAULTS: dict[str, Any] = {"hf_config": None, "hf_split": "train"}
 _OWN_FILES = (MANIFEST, TOKENIZER_FILE, BPE_RANKS_FILE)
-
-
-def output_config(cfg: DataConfig) -> dict[str, Any]:
-    return {
-        k: v
-        for k, v in cfg.model_dump(mode="json").items()
-        if k not in NOT_OUTPUT_FIELDS and not (k in _NEW_OUTPUT_DEFAULTS and v == _NEW_OUTPUT_DEFAULTS[k])
-    }
-
-
-def is_val_document(name: str, seed: int, val_fraction: float) -> bool:
-    """A document's split: sha256 of (seed, name) read as a uniform number in [0, 1)."""
-    digest = hashlib.sha256(f"{seed}\0{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") / 2**64 < val_fraction
-
-
-# ---------------------------------------------------------------------------------------------
-# Worker side: one task (a list of chunks) in, its documents' tokens and hashes out.
-
-
-@dataclass
-class _Setup:
-    clean: CleanConfig
-    text_field: str
-    seed: int
-    val_fraction: float
-    tokenizer: Tokenizer | None = None  # None in the vocabulary passes
-    dtype: str = "uint16"
-
-
-@dataclass
-class _Encoded:
-    names: list[str]
-    is_val: np.ndarray  # (n,) bool
-    hashes: np.ndarray  # (n,) uint64, 0 when exact dedup is off
-    sizes: np.ndarray  # (n,) UTF-8 bytes of each cleaned document
-    lengths: np.ndarray  # (n,) tokens of each document, end-of-text included
-    tokens: np.ndarray  # all of them, concatenated
-    signatures: np.ndarray | None  # (n, perms) uint32 MinHash, when near dedup is on
-    has_shingles: np.ndarray  # (n,) bool: a document without words is not near-deduped
-    stats: CleanStats
-    cpu_s: float  # the worker's CPU time on this task, its tokenizer threads included
-
-
-_worker: dict[str, Any] = {}
-
-
-def _init_worker(setup: _Setup) -> None:
-    _worker.clear()
-    _worker["setup"] = setup
-    _worker["cleaner"] = Cleaner(setup.clean)
-    if setup.clean.near_dedup and setup.tokenizer is not None:
-        _worker["minhash"] = MinHasher(setup.clean.minhash_perms)
-
-
-def _init_pool_worker(setup: _Setup, main_alive: multiprocessing.connection.Connection) -> None:
-    """A worker process: Ctrl-C at a terminal (sent to the whole process group) is the main
-    process's to handle, and the worker ends when the main process is gone, even by kill -9."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_main, args=(main_alive,), daemon=True).start()
-    _init_worker(setup)
-
-
-def _exit_with_main(main_alive: multiprocessing.connection.Connection) -> None:
-    """Only the main process holds the pipe's other end: end of file means it is gone."""
-    with contextlib.suppress(EOFError, OSError):
-        main_alive.recv_bytes()
-    os._exit(1)
-
-
-def _documents(task: list[Chunk], stats: CleanStats) -> Iterator[tuple[Chunk, Document]]:
-    setup: _Setup = _worker["setup"]
-    for chunk in task:
-        for doc in read_chunk(chunk, setup.text_field, _worker["cleaner"], stats):
-            yield chunk, doc
-
-
-def _chars_task(task: list[Chunk]) -> tuple[set[str], CleanStats]:
-    stats = CleanStats()
-    chars: set[str] = set()
-    for _, doc in _documents(task, stats):
-        chars.update(doc.text)
-    return chars, stats
-
-
-def _words_task(
-    task: list[Chunk], max_docs: int | None = None
-) -> tuple[Counter[bytes], list[int], CleanStats]:
-    """Pre-tokenized word counts of the task's (first max_docs) documents, and their lengths."""
-    stats = CleanStats()
-    counts: Counter[bytes] = Counter()
-    lengths: list[int] = []
-    for _, doc in itertools.islice(_documents(task, stats), max_docs):
-        count_words(doc.text, counts)
-        lengths.append(len(doc.text))
-    return counts, lengths, stats
-
-
-def _encode_task(task: list[Chunk]) -> _Encoded:
-    cpu0 = time.process_time()
-    setup: _Setup = _worker["setup"]
-    tok = setup.tokenizer
-    assert tok is not None
-    stats = CleanStats()
-    found = list(_documents(task, stats))
-    docs = [d for _, d in found]
-    # A dataset's own validation split goes to val, the rest of it to train; else by name.
-    is_val = [
-        c.split == "val" if c.split else is_val_document(d.name, setup.seed, setup.val_fraction)
-        for c, d in found
-    ]
-    n = len(docs)
-    data = [d.text.encode("utf-8", errors="surrogatepass") for d in docs]
-    hashes = np.zeros(n, dtype=np.uint64)
-    if setup.clean.exact_dedup:
-        hashes[:] = [exact_hash(b) for b in data]
-    signatures, has_shingles = None, np.zeros(n, dtype=bool)
-    if "minhash" in _worker:
-        signatures = np.zeros((n, setup.clean.minhash_perms), dtype=np.uint32)
-        for i, d in enumerate(docs):
-            shingles = shingle_hashes(d.text, setup.clean.shingle_words)
-            if shingles.size:
-                signatures[i] = _worker["minhash"](shingles)
-                has_shingles[i] = True
-    dtype = np.dtype(setup.dtype)
-    eot = None if tok.eot_token is None else np.array([tok.eot_token], dtype=dtype)
-    parts: list[np.ndarray] = []
-    lengths = np.zeros(n, dtype=np.int64)
-    for i, (doc, ids) in enumerate(zip(docs, tok.encode_batch([d.text for d in docs], dtype), strict=True)):
-        parts.append(ids)
-        lengths[i] = ids.size
-        if eot is not None and doc.last:
-            parts.append(eot)
-            lengths[i] += 1
-    return _Encoded(
-        names=[d.name for d in docs],
-        is_val=np.array(is_val, dtype=bool),
-        hashes=hashes,
-        sizes=np.array([len(b) for b in data], dtype=np.int64),
-        lengths=lengths,
-        tokens=np.concatenate(parts) if parts else np.empty(0, dtype=dtype),
-        signatures=signatures,
-        has_shingles=has_shingles,
-        stats=stats,
-        cpu_s=time.process_time() - cpu0,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Main side
-
-T = TypeVar("T")
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM stopped a prepare. Raised in the main thread (held back while worker
-    processes start or stop, or the dataset is swapped in), so that every `finally` runs: the
-    workers are stopped, the staging directory removed, the lock released. Its message says what
-    is left; `signum` gives the exit status (128 + signum)."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        self.what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        super().__init__(f"interrupted ({self.what}): data prepare stopped")
-
-
-class _Signals:
-    depth = 0  # inside `_uninterrupted`: a signal is held until it ends
-    held: int | None = None
-
-
-def _on_signal(signum: int, frame: Any) -> None:
-    if _Signals.depth:
-        _Signals.held = _Signals.held or signum
-        return
-    raise Interrupted(signum)
-
-
-@contextlib.contextmanager
-def _uninterrupted() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM while worker processes start or stop (a process left half started
-    would outlive this one) or the dataset is swapped in; raise Interrupted once it is done."""
-    _Signals.depth += 1
-    try:
-        yield
-    finally:
-        _Signals.depth -= 1
-        if _Signals.depth == 0 and _Signals.held is not None:
-            signum, _Signals.held = _Signals.held, None
-            raise Interrupted(signum)
-
-
-@contextlib.contextmanager
-def _stopping_on_signals() -> Iterator[None]:
-    """While prepare runs: SIGINT and SIGTERM raise Interrupted (instead of a traceback, or of a
-    death that leaves the workers behind), where this process (its main thread) has no handler of
-    its own for them; `train` installs its own only after prepare."""
-    installed: dict[int, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
-                installed[sig] = signal.signal(sig, _on_signal)
-    try:
-        yield
-    finally:
-        for signum, previous in installed.items():
-            signal.signal(signum, previous)
-        if installed:
-            _Signals.held = None
-
-
-class _Workers:
-    """Runs task functions in order over a stream of tasks: in worker processes, or in this
-    process when there is only one task (or workers=0)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def map(
-        self, fn: Callable[[list[Chunk]], T], setup: _Setup, tasks: Iterator[list[Chunk]]
-    ) -> Generator[tuple[list[Chunk], T], None, None]:
-        if self.n == 0:
-            _init_worker(setup)
-            for task in tasks:
-                yield task, fn(task)
-            return
-        # The workers watch the read end: end of file when this process is gone, even by kill -9.
-        main_alive, keep_alive = multiprocessing.Pipe(duplex=False)
-        executor: ProcessPoolExecutor | None = None
-        pending: deque[tuple[list[Chunk], Future[T]]] = deque()
-        finished = False
-        try:
-            with _uninterrupted():
-                executor = ProcessPoolExecutor(
-                    self.n,
-                    mp_context=_mp_context(),
-                    initializer=_init_pool_worker,
-                    initargs=(setup, main_alive),
-                )
-            # A bounded window of tasks in flight: memory stays constant however large the corpus.
-            for task in tasks:
-                with _uninterrupted():  # a submit may start a worker process
-                    pending.append((task, executor.submit(fn, task)))
-                if len(pending) > 2 * self.n:
-                    t, fut = pending.popleft()
-                    yield t, fut.result()
-            while pending:
-                t, fut = pending.popleft()
-                yield t, fut.result()
-            finished = True
-        finally:
-            with _uninterrupted():
-                # No future is cancelled here: the pool, broken by the workers' end, fails each one it
-                # still holds, and in Python 3.11 it raises on one found cancelled.
-                if executor is not None:
-                    if finished:
-                        executor.shutdown(wait=True)
-                    else:  # an error, a signal, or the caller is done: stop them at once
-                        _terminate(executor)
-                        _shutdown_within(executor, SHUTDOWN_S)
-                main_alive.close()
-                keep_alive.close()
-
-
-SHUTDOWN_S = 10.0  # how long a stopped pool gets to wind down before this process goes on without it
-
-
-STUCK_POOL: list[bool] = []  # a pool whose shutdown did not finish: the exit must not wait for it
-
-
-def _shutdown_within(executor: ProcessPoolExecutor, seconds: float) -> None:
-    """Shut down a pool whose workers were just terminated, waiting at most `seconds`: a worker
-    terminated while this process's queue feeder writes a task to it can leave the pool's manager
-    thread waiting forever (CPython gh-94777). The workers themselves are gone either way; a pool
-    left stuck is noted in STUCK_POOL, for the command to exit without joining it."""
-    done = threading.Thread(target=executor.shutdown, kwargs={"wait": True}, daemon=True)
-    done.start()
-    done.join(seconds)
-    if done.is_alive():
-        STUCK_POOL.append(True)
-    for p in list((getattr(executor, "_processes", None) or {}).values()):
-        with contextlib.suppress(OSError, ValueError, AssertionError):
-            p.join(max(0.0, seconds - 1))
-            if p.is_alive():
-                p.kill()
-
-
-def _terminate(executor: ProcessPoolExecutor) -> None:
-    """Stop the pool's workers now, not after their current task (shutdown then reaps them)."""
-    stop = getattr(executor, "terminate_workers", None)  # Python 3.14
-    if stop is not None:
-        stop()
-        return
-    # The queue's feeder thread may be writing a task to a worker about to die: the pool's shutdown
-    # must not wait for it (its join_thread), or it waits forever (CPython gh-94777).
-    call_queue = getattr(executor, "_call_queue", None)
-    if call_queue is not None:
-        call_queue.cancel_join_thread()
-    workers = list((getattr(executor, "_processes", None) or {}).values())
-    for p in workers:
-        with contextlib.suppress(OSError, ValueError):
-            p.terminate()
-    for p in workers:
-        with contextlib.suppress(OSError, ValueError, AssertionError):
-            p.join(SHUTDOWN_S)
-    # A worker terminated while sending its result leaves part of a message in the result pipe, and the
-    # pool's manager thread reading it waits for the rest forever. With every worker gone, closing this
-    # process's own write end gives that read an end of file: the pool sees itself broken and winds down.
-    result_queue = getattr(executor, "_result_queue", None)
-    with contextlib.suppress(AttributeError, OSError):
-        result_queue._writer.close()  # type: ignore[union-attr]
-
-
-def _mp_context() -> multiprocessing.context.BaseContext:
-    """Not fork: the caller may hold threads (a process group, a prefetching loader). A fork
-    server that has imported this module once starts each worker in milliseconds, for every
-    prepare of this process; spawn where there is none."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    if threading.current_thread() is threading.main_thread():
-        # Started with SIGINT ignored, the fork server and every worker it forks inherit that from
-        # birth: a Ctrl-C to the process group while a worker is still starting prints nothing.
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            forkserver.ensure_running()
-        finally:
-            signal.signal(signal.SIGINT, previous)
-    return ctx
 
 
 def _worker_count(cfg: DataConfig) -> int:
@@ -442,65 +83,13 @@ def _worker_count(cfg: DataConfig) -> int:
     return 0 if n_tasks <= 1 else min(wanted, n_tasks)
 
 
-def _inputs(cfg: DataConfig, *, with_val: bool = True) -> Iterator[Any]:
-    """The input files; a Hugging Face dataset's own validation split too (`with_val`), last."""
-    hf = HFOptions(cfg.hf_config, cfg.hf_split, cfg.hf_streaming, with_val=with_val)
-    return iter_input_files(
-        cfg.corpus, fmt=cfg.format, download_dir=cfg.download_dir, source=cfg.source, hf=hf
-    )
-
-
 def _tasks(cfg: DataConfig) -> Iterator[list[Chunk]]:
     return plan_tasks(
-        _inputs(cfg),
+        input_files(cfg),
         chunk_bytes=cfg.chunk_bytes,
         text_split_bytes=cfg.text_split_bytes,
         text_field=cfg.text_field,
     )
-
-
-def input_fingerprint(cfg: DataConfig, fetch: bool = True) -> dict[str, Any]:
-    """Files, bytes, and a digest of every input file's name and identity (size and mtime, or
-    the sha256 of a download), walked without reading them; a dataset's own validation split
-    apart, under "val" (None: it has none). With fetch=False a downloadable corpus is not fetched:
-    its digest is known from its sha256 alone (its bytes are then None), and a stream's splits are
-    not looked up ("val" left out)."""
-    h = hashlib.sha256()
-    if not fetch and cfg.corpus in DOWNLOADS:
-        d = DOWNLOADS[cfg.corpus]
-        h.update(f"{d.filename}\0sha256:{d.sha256}\0{format_of(Path(d.filename), cfg.format)}\n".encode())
-        return {"files": 1, "bytes": None, "digest": h.hexdigest()}
-    legacy, val = hashlib.sha256(), hashlib.sha256()
-    n, total, has_legacy, val_name, n_val, val_bytes = 0, 0, False, "", 0, 0
-    looks_up_val = fetch or not (cfg.hf_streaming and cfg.corpus.startswith(HF_PREFIX))
-    for f in _inputs(cfg, with_val=looks_up_val):
-        line = f"{f.name}\0{f.identity}\0{f.format}\n"
-        if f.split == "val":
-            val.update(line.encode())
-            val_name, n_val, val_bytes = val_name or f.name, n_val + 1, val_bytes + f.size
-            continue
-        h.update(line.encode())
-        legacy.update(f"{f.legacy_name or f.name}\0{f.identity}\0{f.format}\n".encode())
-        has_legacy |= f.legacy_name is not None
-        n += 1
-        total += f.size
-    out: dict[str, Any] = {"files": n, "bytes": total, "digest": h.hexdigest()}
-    if has_legacy:
-        out["legacy_digest"] = legacy.hexdigest()  # as named before: a dataset prepared then matches
-    if looks_up_val and _is_hf(cfg.corpus):
-        split = val_name[val_name.rfind("[") + 1 : -1] if val_name.endswith("]") else val_name
-        out["val"] = (
-            {"split": split, "files": n_val, "bytes": val_bytes, "digest": val.hexdigest()} if n_val else None
-        )
-    return out
-
-
-def _is_hf(corpus: str) -> bool:
-    """A Hugging Face dataset: hf:NAME, or a save_to_disk directory."""
-    if corpus.startswith(HF_PREFIX):
-        return True
-    path = Path(os.path.expanduser(corpus))
-    return path.is_dir() and is_saved_dataset(path)
 
 
 @dataclass
@@ -514,89 +103,14 @@ class _Held:
     task: list[Chunk]
 
 
-class Progress:
-    """Input bytes read of the total, with the rate and an ETA: a tqdm bar on a terminal, else a
-    line through `log` every `every_s` seconds and one at the end. Nothing without a log."""
-
-    def __init__(
-        self,
-        what: str,
-        total: int | None,
-        log: Callable[[str], None] | None,
-        *,
-        terminal: bool | None = None,
-        every_s: float = 10.0,
-    ) -> None:
-        self.what, self.total, self.log, self.every_s = what, total or None, log, every_s
-        self.done, self.kept = 0, 0
-        self.t0 = self.last = time.perf_counter()
-        self.bar: Any = None
-        if log is not None and (sys.stderr.isatty() if terminal is None else terminal):
-            from tqdm import tqdm
-
-            self.bar = tqdm(
-                total=self.total,
-                desc=what,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1000,
-                dynamic_ncols=True,
-                file=sys.stderr,
-            )
-
-    def update(self, n_bytes: int, kept: int | None = None) -> None:
-        self.done += n_bytes
-        if kept is not None:
-            self.kept = kept
-        if self.bar is not None:
-            self.bar.update(n_bytes)
-            if kept is not None:
-                self.bar.set_postfix(docs=f"{kept:,}", refresh=False)
-        elif self.log is not None and time.perf_counter() - self.last >= self.every_s:
-            self.last = time.perf_counter()
-            self.log(self.line())
-
-    def line(self) -> str:
-        """'prepare: 45% (68.0 of 150.0 MB), 12.3 MB/s, ETA 7s, 12,345 documents kept'."""
-        seconds = max(time.perf_counter() - self.t0, 1e-9)
-        rate = self.done / seconds
-        parts = [f"{self.what}: "]
-        if self.total:
-            parts.append(f"{min(100.0, 100 * self.done / self.total):.0f}% ")
-            parts.append(f"({self.done / 1e6:,.1f} of {self.total / 1e6:,.1f} MB), ")
-        else:
-            parts.append(f"{self.done / 1e6:,.1f} MB, ")
-        parts.append(f"{rate / 1e6:,.1f} MB/s")
-        if self.total:
-            left = max(self.total - self.done, 0) / rate if rate > 0 else float("inf")
-            parts.append(f", ETA {_eta(left)}")
-        if self.kept:
-            parts.append(f", {self.kept:,} documents kept")
-        return "".join(parts)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        elif self.log is not None:
-            self.log(self.line())
-
-
-def _eta(seconds: float) -> str:
-    if seconds == float("inf"):
-        return "?"
-    m, s = divmod(round(seconds), 60)
-    h, m = divmod(m, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
-
-
 def _task_bytes(task: list[Chunk]) -> int:
     return sum(c.input_bytes for c in task)
 
 
 def _fit_tokenizer(
     cfg: DataConfig,
-    workers: _Workers,
-    setup: _Setup,
+    workers: Workers,
+    setup: Setup,
     *,
     log: Callable[[str], None] | None,
     total: int | None = None,
@@ -606,7 +120,7 @@ def _fit_tokenizer(
     if cfg.tokenizer == "char":
         chars: set[str] = set()
         progress = Progress("vocabulary", total, log)
-        for task, (task_chars, _) in workers.map(_chars_task, setup, _tasks(cfg)):
+        for task, (task_chars, _) in workers.map(chars_task, setup, _tasks(cfg)):
             chars |= task_chars
             progress.update(_task_bytes(task))
         progress.close()
@@ -617,7 +131,7 @@ def _fit_tokenizer(
         return CharTokenizer(sorted(chars))
     counts: Counter[bytes] = Counter()
     n_chars = 0
-    words = workers.map(_words_task, setup, _tasks(cfg))
+    words = workers.map(words_task, setup, _tasks(cfg))
     try:
         # The sample: whole documents in corpus order until bpe_train_chars, however they are chunked.
         for task, (task_counts, lengths, _) in words:
@@ -627,8 +141,8 @@ def _fit_tokenizer(
                 n_chars = int(ends[-1]) if len(ends) else n_chars
                 continue
             k = int(np.searchsorted(ends, cfg.bpe_train_chars)) + 1  # the documents that reach it
-            _init_worker(setup)  # count them again here
-            counts.update(_words_task(task, max_docs=k)[0])
+            init_worker(setup)  # count them again here
+            counts.update(words_task(task, max_docs=k)[0])
             n_chars = int(ends[k - 1])
             break
     finally:
@@ -652,8 +166,8 @@ def _no_document(corpus: str, total: int | None, why: str) -> DataError:
 def _encode(
     cfg: DataConfig,
     tok: Tokenizer,
-    workers: _Workers,
-    setup: _Setup,
+    workers: Workers,
+    setup: Setup,
     staging: Path,
     *,
     log: Callable[[str], None] | None,
@@ -673,7 +187,7 @@ def _encode(
     largest = (0, "", "")  # tokens, name, split of the largest kept document
     held: _Held | None = None
     kept, bytes_out, doc_index = 0, 0, 0
-    results = workers.map(_encode_task, setup, _tasks(cfg))
+    results = workers.map(encode_task, setup, _tasks(cfg))
     try:
         for task, r in results:
             stats.add(r.stats)
@@ -684,12 +198,10 @@ def _encode(
                 kept += idx.size
                 bytes_out += int(r.sizes[idx].sum())
                 held = _write_kept(writers, r, idx, held, task)
-                i = int(idx[np.argmax(r.lengths[idx])])
-                if r.lengths[i] > largest[0]:
-                    largest = (int(r.lengths[i]), r.names[i], "val" if r.is_val[i] else "train")
+                largest = _largest(r, idx, largest)
             progress.update(_task_bytes(task), kept)
         if held is None:
-            raise _no_document(cfg.corpus, total, f" ({_one_line(stats)})")
+            raise _no_document(cfg.corpus, total, f" ({stats_line(stats)})")
         notes = _write_last(cfg, tok, writers, held, kept=kept)
         if own_val:
             notes.insert(0, f"val is the dataset's own {own_val!r} split (data.val_fraction not used)")
@@ -701,7 +213,7 @@ def _encode(
     finally:
         results.close()  # stops the workers at once on an error
         progress.close()
-    report = _report(
+    report = manifest_report(
         stats,
         clean,
         kept=kept,
@@ -711,7 +223,7 @@ def _encode(
         seconds=time.perf_counter() - t0,
     )
     report["warnings"] = (
-        [] if own_val else _split_warnings(cfg, tokens=report["tokens"], kept=kept, largest=largest)
+        [] if own_val else split_warnings(cfg, tokens=report["tokens"], kept=kept, largest=largest)
     )
     # CPU seconds: tasks (in the workers, or here with none) and this process's own share.
     main_cpu = time.process_time() - cpu0 - (worker_cpu if workers.n == 0 else 0.0)
@@ -721,8 +233,16 @@ def _encode(
     return shards, report
 
 
+def _largest(r: Encoded, idx: np.ndarray, largest: tuple[int, str, str]) -> tuple[int, str, str]:
+    """The largest kept document so far, as (tokens, name, split): `largest`, or one of `idx` in r."""
+    i = int(idx[np.argmax(r.lengths[idx])])
+    if r.lengths[i] > largest[0]:
+        return (int(r.lengths[i]), r.names[i], "val" if r.is_val[i] else "train")
+    return largest
+
+
 def _dedup(
-    r: _Encoded, exact: ExactDedup | None, near: NearDedup | None, *, doc_index: int, stats: CleanStats
+    r: Encoded, exact: ExactDedup | None, near: NearDedup | None, *, doc_index: int, stats: CleanStats
 ) -> np.ndarray:
     """Which of a task's documents to keep: in corpus order, the first of each duplicate."""
     keep = np.ones(len(r.names), dtype=bool)
@@ -742,7 +262,7 @@ def _dedup(
 
 
 def _write_kept(
-    writers: dict[str, ShardWriter], r: _Encoded, idx: np.ndarray, held: _Held | None, task: list[Chunk]
+    writers: dict[str, ShardWriter], r: Encoded, idx: np.ndarray, held: _Held | None, task: list[Chunk]
 ) -> _Held:
     """Write the documents `idx` of a task to their splits, all but the last, which is held back
     (the previously held one is written first); returns the one now held."""
@@ -794,84 +314,6 @@ def _write_last(
     return notes
 
 
-def _split_warnings(
-    cfg: DataConfig, *, tokens: dict[str, int], kept: int, largest: tuple[int, str, str]
-) -> list[str]:
-    """A warning when val's share of the tokens is far from data.val_fraction: over twice it
-    (training data lost), or under a fifth. Documents go to a split whole, so a few large ones
-    skew it; a few dozen documents of a few percent each stay within these bounds."""
-    total = sum(tokens.values())
-    if kept <= 1 or total == 0:
-        return []  # one document is cut at val_fraction exactly
-    share, vf = tokens["val"] / total, cfg.val_fraction
-    if vf / 5 <= share <= 2 * vf:
-        return []
-    n, name, split = largest
-    return [
-        f"val holds {share:.1%} of the tokens, but data.val_fraction is {vf:g}: documents go to a split "
-        f"whole, by name, and {kept:,} documents are few or uneven (the largest, {name}, has {n:,} tokens, "
-        f"{n / total:.0%} of all, in {split}); use more, smaller documents (a large text file is cut at "
-        "data.text_split_bytes), or another data.seed"
-    ]
-
-
-def _report(
-    stats: CleanStats,
-    clean: CleanConfig,
-    *,
-    kept: int,
-    bytes_out: int,
-    notes: list[str],
-    shards: dict[str, list[ShardInfo]],
-    seconds: float,
-) -> dict[str, Any]:
-    """The manifest's report: what cleaning and dedup did, and what was written."""
-    return {
-        "documents_in": stats.documents_in,
-        "documents_out": kept,
-        "bytes_in": stats.bytes_in,
-        "bytes_out": bytes_out,
-        "removed": {k: {"documents": d, "bytes": b} for k, (d, b) in sorted(stats.removed.items())},
-        "changed": {k: {"documents": d, "characters": c} for k, (d, c) in sorted(stats.changed.items())},
-        "undecodable": {
-            "bytes": stats.undecodable_bytes,
-            "documents": stats.undecodable_documents,
-            "action": clean.on_decode_error,
-        },
-        "examples": dict(sorted(stats.first_problem.items())),
-        "notes": notes,
-        "tokens": {s: sum(x.n_tokens for x in shards[s]) for s in SPLITS},
-        "seconds": round(seconds, 3),
-    }
-
-
-def _one_line(stats: CleanStats) -> str:
-    removed = ", ".join(f"{k}: {d:,}" for k, (d, _) in sorted(stats.removed.items()))
-    return f"{stats.documents_in:,} documents read" + (f"; removed {removed}" if removed else "")
-
-
-def format_report(report: dict[str, Any]) -> str:
-    """The cleaning summary, a few lines for a terminal."""
-    lines = [
-        f"documents: {report['documents_in']:,} in, {report['documents_out']:,} out; "
-        f"{format_bytes(report['bytes_in'])} in, {format_bytes(report['bytes_out'])} out "
-        f"({report['seconds']:.1f} s, {report['workers']} workers)"
-    ]
-    for kind, show in (
-        ("removed", lambda v: format_bytes(v["bytes"])),
-        ("changed", lambda v: f"{v['characters']:,} chars"),
-    ):
-        if report[kind]:
-            each = (f"{k} {v['documents']:,} docs ({show(v)})" for k, v in report[kind].items())
-            lines.append(f"{kind}:  " + "; ".join(each))
-    u = report["undecodable"]
-    if u["bytes"]:
-        lines.append(f"undecodable bytes: {u['bytes']:,} in {u['documents']:,} documents ({u['action']})")
-    lines += [f"e.g. {k}: {v}" for k, v in report["examples"].items()]
-    lines += [f"note: {n}" for n in report["notes"]]
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------------------------------------
 # The output directory: staging, swap, no-op check
 
@@ -904,113 +346,6 @@ def _remove_stale(out: Path) -> None:
                 p.unlink()
             else:
                 shutil.rmtree(p, ignore_errors=True)
-
-
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"clean": {"near_dedup": True}} -> {"clean.near_dedup": True}."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _corpus_key(corpus: Any) -> Any:
-    """A saved dataset is the same corpus given as PATH or as hf:PATH."""
-    if isinstance(corpus, str) and corpus.startswith(HF_PREFIX):
-        path = Path(os.path.expanduser(corpus.removeprefix(HF_PREFIX)))
-        if path.is_dir() and is_saved_dataset(path):
-            return corpus.removeprefix(HF_PREFIX)
-    return corpus
-
-
-def _config_changes(cfg: DataConfig, saved: dict[str, Any]) -> list[str]:
-    """What differs between the settings that made the dataset there and this config's."""
-    now, then = _flat(output_config(cfg)), _flat(saved)
-    now["corpus"], then["corpus"] = _corpus_key(now.get("corpus")), _corpus_key(then.get("corpus"))
-    keys = sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k))
-    return [f"data.{k}: {json.dumps(then.get(k))} there, {json.dumps(now.get(k))} now" for k in keys]
-
-
-def _listed(changes: list[str]) -> str:
-    return "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
-
-
-def own_dir(cfg: DataConfig) -> Path:
-    """A directory of its own for a dataset of these settings, beside the default one: its name
-    ends in a short hash of the settings that make the tokens (`output_config`)."""
-    out = cfg.resolved_dir()
-    config = output_config(cfg)
-    config["corpus"] = _corpus_key(config["corpus"])
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:8]
-    return out.with_name(f"{out.name}-{digest}")
-
-
-def _input_change(cfg: DataConfig, was: dict[str, Any], now: dict[str, Any]) -> str | None:
-    """How the corpus changed since the dataset was prepared from it, or None."""
-    if was.get("digest") not in (now["digest"], now.get("legacy_digest")):
-        return (
-            f"the corpus {cfg.corpus} changed since it was prepared ({was.get('files')} files of "
-            f"{was.get('bytes')} bytes then, {now['files']} files of {now['bytes']} bytes now)"
-        )
-    if "val" in now and "val" in was and (was["val"] or {}).get("digest") != (now["val"] or {}).get("digest"):
-        split = (now["val"] or was["val"] or {}).get("split")
-        return f"the validation split {split!r} of {cfg.corpus} changed since the dataset was prepared"
-    return None
-
-
-@dataclass
-class _There:
-    """What `out` holds: a dataset (its manifest) or none, whether it is this one, complete, and
-    otherwise why not (with `force`; without it a different dataset is an error)."""
-
-    manifest: dict[str, Any] | None = None
-    ready: bool = False
-    missing: list[str] = field(default_factory=list)
-    changes: list[str] = field(default_factory=list)
-
-
-def _there(
-    out: Path, cfg: DataConfig, inputs: dict[str, Any], *, force: bool, say: Callable[[str], None]
-) -> _There:
-    """What `out` holds, checked against this config and input. Without `force`, a dataset made
-    with other settings, or from a changed corpus, is a DataError naming the choices."""
-    if not (out / MANIFEST).exists():
-        return _There()
-    try:
-        manifest = load_manifest(out)
-    except DataError:
-        if force:
-            return _There(changes=["its manifest is unreadable"])
-        raise
-    changes = _config_changes(cfg, manifest["config"])
-    if changes and not force:
-        raise DataError(
-            f"{out}: holds a dataset prepared with other settings ({_listed(changes)}). To keep it, give "
-            f"this one a directory of its own: --set data.dataset_dir={own_dir(cfg)} (in `pretrain train` "
-            "too); to replace it, run `pretrain data prepare --force` (runs trained on it then no longer "
-            "resume on their data)"
-        )
-    was = manifest.get("inputs", {})
-    changed = None if changes else _input_change(cfg, was, inputs)
-    if changed and not force:
-        raise DataError(
-            f"{out}: {changed}; run `pretrain data prepare --force` to rebuild it, or set another "
-            "data.dataset_dir to keep it"
-        )
-    if changed:
-        changes = [changed]
-    if not changes and "val" in inputs and "val" not in was and inputs["val"]:
-        say(
-            f"note: {out} was prepared before a dataset's own validation split was used: its val is "
-            f"documents of {cfg.hf_split!r} split off by data.val_fraction; `pretrain data prepare --force` "
-            f"rebuilds it with the {inputs['val']['split']!r} split as val"
-        )
-    listed = [e["path"] for split in SPLITS for e in manifest[split]] + [TOKENIZER_FILE]
-    missing = [p for p in listed if not (out / p).is_file()]
-    return _There(manifest, not changes and not missing, missing, changes)
 
 
 def _files(n: int) -> str:
@@ -1075,7 +410,7 @@ def prepare(
         require("datasketch", NEAR_DEDUP, "near-dedup")  # before any pass over the corpus
     had = (out / MANIFEST).is_file()
     swapped: list[bool] = []
-    with _stopping_on_signals():
+    with stopping_on_signals():
         try:
             return _prepare(cfg, out, force=force, log=log, wait=wait, swapped=swapped)
         except Interrupted as e:
@@ -1104,39 +439,19 @@ def _prepare(
     stop_reading(out)  # this process read it before: that lock would keep out its own rebuild
     made: list[Path] = []  # directories made for the dataset: removed again if it is not made
     try:
-        if not force:
-            if out.parent.is_dir():  # else there is no dataset, and nothing is made just to check
-                _take(lock, out, exclusive=False, wait=wait, say=say)
-            if _there(out, cfg, input_fingerprint(cfg, fetch=False), force=False, say=say).ready:
-                if log:
-                    log(f"{out}: already prepared from this corpus and config (--force rebuilds it)")
-                return out
+        if not force and _prepared_already(cfg, out, lock, wait=wait, say=say, log=log):
+            return out
         inputs = input_fingerprint(cfg)  # fetches a downloaded corpus (once: it is kept in download_dir)
-        check_output_dir(
-            out,
-            None,
-            "prepared dataset",
-            "data.dataset_dir",
-            is_own_entry=lambda p: p.name in _OWN_FILES or p.suffix == ".bin" or ".tmp-" in p.name,
-            error=DataError,
-        )
+        _check_dir(out)
         made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
         out.parent.mkdir(parents=True, exist_ok=True)
         _take(lock, out, exclusive=True, wait=wait, say=say)
-        there = _there(out, cfg, inputs, force=force, say=say)  # now, under the lock
+        there = what_is_there(out, cfg, inputs, force=force, say=say)  # now, under the lock
         if there.ready and not force:
             if log:
                 log(f"{out}: prepared meanwhile by another prepare, from this corpus and config")
             return out
-        if force and there.changes:
-            say(f"replacing the dataset in {out} (--force); it was prepared with {_listed(there.changes)}")
-        elif force and there.manifest is not None:
-            say(f"rebuilding {out} (--force), with the settings and corpus it was prepared from")
-        elif there.missing:
-            _stderr(
-                f"warning: {out}: {', '.join(there.missing[:3])}{' ...' if len(there.missing) > 3 else ''} "
-                "listed in its manifest but missing; rebuilding the dataset from its corpus, with the same settings"
-            )
+        _say_what_is_rebuilt(out, there, force=force, say=say)
         _build(cfg, out, inputs, log=log, swapped=swapped)
         if there.manifest is not None and not there.changes:
             _say_if_rebuilt_alike(out, there.manifest, say)
@@ -1147,6 +462,51 @@ def _prepare(
                 with contextlib.suppress(OSError):
                     p.rmdir()
     return out
+
+
+def _prepared_already(
+    cfg: DataConfig,
+    out: Path,
+    lock: FileLock,
+    *,
+    wait: bool,
+    say: Callable[[str], None],
+    log: Callable[[str], None] | None,
+) -> bool:
+    """Whether `out` holds this dataset already, checked under the shared lock (taken and kept) and
+    without fetching a downloaded corpus."""
+    if out.parent.is_dir():  # else there is no dataset, and nothing is made just to check
+        _take(lock, out, exclusive=False, wait=wait, say=say)
+    if what_is_there(out, cfg, input_fingerprint(cfg, fetch=False), force=False, say=say).ready:
+        if log:
+            log(f"{out}: already prepared from this corpus and config (--force rebuilds it)")
+        return True
+    return False
+
+
+def _check_dir(out: Path) -> None:
+    """`out` is new, empty, or holds only what a prepare writes there."""
+    check_output_dir(
+        out,
+        None,
+        "prepared dataset",
+        "data.dataset_dir",
+        is_own_entry=lambda p: p.name in _OWN_FILES or p.suffix == ".bin" or ".tmp-" in p.name,
+        error=DataError,
+    )
+
+
+def _say_what_is_rebuilt(out: Path, there: There, *, force: bool, say: Callable[[str], None]) -> None:
+    """What a build replaces in `out`: another dataset (--force), this one (--force), or an incomplete one."""
+    if force and there.changes:
+        say(f"replacing the dataset in {out} (--force); it was prepared with {listed_changes(there.changes)}")
+    elif force and there.manifest is not None:
+        say(f"rebuilding {out} (--force), with the settings and corpus it was prepared from")
+    elif there.missing:
+        _stderr(
+            f"warning: {out}: {', '.join(there.missing[:3])}{' ...' if len(there.missing) > 3 else ''} "
+            "listed in its manifest but missing; rebuilding the dataset from its corpus, with the same settings"
+        )
 
 
 def _shard_sums(manifest: dict[str, Any]) -> list[tuple[str, str]]:
@@ -1181,7 +541,7 @@ def _build(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        workers = _Workers(_worker_count(cfg))
+        workers = Workers(_worker_count(cfg))
         own_val = (inputs.get("val") or {}).get("split")
         if log:
             log(
@@ -1193,7 +553,7 @@ def _build(
                     f"val: the dataset's own {own_val!r} split ({_files(inputs['val']['files'])}); train: all of "
                     f"{cfg.hf_split!r} (data.val_fraction does not apply)"
                 )
-        setup = _Setup(cfg.clean, cfg.text_field, cfg.seed, cfg.val_fraction)
+        setup = Setup(cfg.clean, cfg.text_field, cfg.seed, cfg.val_fraction)
         tok = _fit_tokenizer(cfg, workers, setup, log=log, total=inputs["bytes"])
         setup.tokenizer, setup.dtype = tok, dtype_for_vocab(tok.vocab_size).name
         shards, report = _encode(
@@ -1206,8 +566,35 @@ def _build(
         write_manifest(
             staging, tokenizer=tok, shards=shards, config=output_config(cfg), inputs=recorded, report=report
         )
-        with _uninterrupted():  # the swap is two renames: never stopped between them
+        with uninterrupted():  # the swap is two renames: never stopped between them
             replace_dir(staging, out)
             swapped.append(True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def prepare_and_report(data: DataConfig, *, source: str | None, workers: int | None, force: bool) -> int:
+    """`pretrain data prepare`: `prepare` with --source and --workers applied, its report printed;
+    the exit code (128 + the signal for a stop asked by SIGINT or SIGTERM: workers stopped, staging
+    removed, lock released, one line said)."""
+    if source is not None or workers is not None:
+        update = {"source": source or data.source, "workers": data.workers if workers is None else workers}
+        data = type(data).model_validate({**data.model_dump(), **update})
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    try:
+        # Another prepare of this directory: refused at once here (`train` waits for it).
+        out = prepare(data, force=force, log=log, wait=False)
+    except Interrupted as e:
+        print(e, file=sys.stderr, flush=True)
+        if STUCK_POOL:  # the exit's join of a pool stopped mid-task would wait forever (CPython gh-94777)
+            sys.stdout.flush()
+            os._exit(128 + e.signum)
+        return 128 + e.signum
+    m = load_manifest(out)
+    if not data.blend:
+        print(format_report(m["report"]))
+    print(f"dataset ready in {out}: {summary(m)}")
+    return 0

@@ -18,7 +18,7 @@ import importlib.util
 import os
 import stat
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -267,50 +267,70 @@ def _hf_inputs(spec: str, hf: HFOptions) -> Iterator[InputFile]:
 
     datasets = hf_datasets() if saved or not hf.streaming or hf.with_val else None
     if hf.streaming and not saved:
-        val = _val_split(datasets, spec, hf, None, saved=False) if hf.with_val else None
-        yield InputFile(
-            name_of(hf.split),
-            Path(spec.removeprefix(HF_PREFIX)),
-            "hf-stream",
-            0,
-            _hf_identity(spec, hf),
-            split="train" if val else "",
-        )
-        if val:
-            other = HFOptions(hf.config, val, True)
-            yield InputFile(
-                name_of(val),
-                Path(spec.removeprefix(HF_PREFIX)),
-                "hf-stream",
-                0,
-                _hf_identity(spec, other),
-                split="val",
-            )
+        yield from _hf_stream_inputs(datasets, spec, hf, name_of)
         return
     assert datasets is not None
-    try:
-        if saved:
-            whole = datasets.load_from_disk(str(local))
-        else:
-            whole = datasets.load_dataset(spec.removeprefix(HF_PREFIX), hf.config, split=hf.split)
-    except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
-        raise DataError(f"{spec}: cannot load the dataset: {e}") from e
-    ds = whole
-    if isinstance(whole, datasets.DatasetDict):
-        if hf.split not in whole:
-            raise DataError(f"{spec}: no split {hf.split!r} (it has {', '.join(whole)}): set data.hf_split")
-        ds = whole[hf.split]
+    whole = _load_hf(datasets, spec, hf, local if saved else None)
+    ds = _split_of(datasets, spec, hf, whole)
     val = _val_split(datasets, spec, hf, whole, saved=saved) if hf.with_val else None
     yield from _arrow_inputs(spec, ds, name_of(hf.split), legacy_of(hf.split), "train" if val else "")
     if val:
-        if isinstance(whole, datasets.DatasetDict):
-            val_ds = whole[val]
-        else:
-            try:
-                val_ds = datasets.load_dataset(spec.removeprefix(HF_PREFIX), hf.config, split=val)
-            except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
-                raise DataError(f"{spec}: cannot load its {val!r} split: {e}") from e
+        val_ds = _load_hf_val(datasets, spec, hf, whole, val)
         yield from _arrow_inputs(spec, val_ds, name_of(val), legacy_of(val), "val")
+
+
+def _hf_stream_inputs(
+    datasets: Any, spec: str, hf: HFOptions, name_of: Callable[[str], str]
+) -> Iterator[InputFile]:
+    """A streamed dataset's split as one input; with `hf.with_val`, then its own validation split."""
+    val = _val_split(datasets, spec, hf, None, saved=False) if hf.with_val else None
+    yield InputFile(
+        name_of(hf.split),
+        Path(spec.removeprefix(HF_PREFIX)),
+        "hf-stream",
+        0,
+        _hf_identity(spec, hf),
+        split="train" if val else "",
+    )
+    if val:
+        other = HFOptions(hf.config, val, True)
+        yield InputFile(
+            name_of(val),
+            Path(spec.removeprefix(HF_PREFIX)),
+            "hf-stream",
+            0,
+            _hf_identity(spec, other),
+            split="val",
+        )
+
+
+def _load_hf(datasets: Any, spec: str, hf: HFOptions, saved: Path | None) -> Any:
+    """The dataset `saved` to disk there, or the split `hf.split` that `load_dataset` prepares."""
+    try:
+        if saved is not None:
+            return datasets.load_from_disk(str(saved))
+        return datasets.load_dataset(spec.removeprefix(HF_PREFIX), hf.config, split=hf.split)
+    except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
+        raise DataError(f"{spec}: cannot load the dataset: {e}") from e
+
+
+def _split_of(datasets: Any, spec: str, hf: HFOptions, whole: Any) -> Any:
+    """The split `hf.split` of a DatasetDict loaded; a Dataset loaded is that split already."""
+    if not isinstance(whole, datasets.DatasetDict):
+        return whole
+    if hf.split not in whole:
+        raise DataError(f"{spec}: no split {hf.split!r} (it has {', '.join(whole)}): set data.hf_split")
+    return whole[hf.split]
+
+
+def _load_hf_val(datasets: Any, spec: str, hf: HFOptions, whole: Any, val: str) -> Any:
+    """The dataset's own validation split `val`: from the DatasetDict loaded, else loaded apart."""
+    if isinstance(whole, datasets.DatasetDict):
+        return whole[val]
+    try:
+        return datasets.load_dataset(spec.removeprefix(HF_PREFIX), hf.config, split=val)
+    except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
+        raise DataError(f"{spec}: cannot load its {val!r} split: {e}") from e
 
 
 def _val_split(datasets: Any, spec: str, hf: HFOptions, loaded: Any, *, saved: bool) -> str | None:

@@ -1,4 +1,5 @@
-"""Checkpoints you can trust: atomic saves, retention, validation, safe loading, universal conversion.
+"""Checkpoints you can trust: the format, atomic saves, retention, validation, safe loading. Which one
+a run continues from and loading it: resume.py; the universal conversion: universal.py.
 
 A checkpoint is `engine.save_checkpoint` under a temporary tag (`.tmp-step_NNNNNNNN`), on every
 rank. Each rank records, fsyncs and hashes the files it wrote; rank 0 then adds a copy of the
@@ -23,26 +24,25 @@ import pickle
 import random
 import re
 import shutil
-import sys
 import time
-from argparse import Namespace
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from pretrain.config.tree import CheckpointConfig, RunConfig, analytic_num_params
+from pretrain.config.layout import Layout
+from pretrain.config.run_sections import CheckpointConfig
+from pretrain.config.tree import RunConfig, analytic_num_params
 from pretrain.data.dataset import TOKENIZER_FILE, Dataset, datasets_sha256
 from pretrain.data.tokenizer import BPE_RANKS_FILE
-from pretrain.errors import CheckpointError, DataError
+from pretrain.errors import CheckpointError
 from pretrain.files import format_bytes as _size
-from pretrain.files import fsync_dir, replace_dir, write_atomic
+from pretrain.files import fsync_dir, write_atomic
 from pretrain.training import rundir
-from pretrain.training.guards import Faults, barrier, gather, world_of
+from pretrain.training.faults import Faults
+from pretrain.training.ranks import barrier, gather, world_of
 
 META = "pretrain_meta.json"
 TOKENIZER = TOKENIZER_FILE  # a copy of the dataset's, so that a checkpoint samples on its own
@@ -50,7 +50,7 @@ LATEST = "latest"
 UNIVERSAL = "universal"  # the universal conversion of step_N lives in step_N/universal/
 FORMAT_VERSION = 1
 _TAG = re.compile(r"^step_(\d{8})$")
-_TMP, _TRASH = ".tmp-", ".trash-"
+TMP, TRASH = ".tmp-", ".trash-"
 
 
 def tag_for(step: int) -> str:
@@ -157,7 +157,7 @@ def preflight(ckpt_dir: Path, *, need_bytes: int, keep: int, group: Any) -> None
         for note in dict.fromkeys(n for _, ns in reports for n in ns):
             print(note, flush=True)
         for leftover in ckpt_dir.iterdir():
-            if leftover.name.startswith((_TMP, _TRASH)) and (leftover.is_dir() or leftover.is_symlink()):
+            if leftover.name.startswith((TMP, TRASH)) and (leftover.is_dir() or leftover.is_symlink()):
                 _discard(leftover)
     barrier(group)
 
@@ -293,7 +293,7 @@ class _RecordingEngine:
             return  # one failure is enough; don't fill the disk further
         try:
             self.inner.save(state_dict, path)
-            self.written[path] = _describe(Path(path), self.checksums, fsync=True)
+            self.written[path] = describe(Path(path), self.checksums, fsync=True)
         except (OSError, RuntimeError) as e:  # torch's zip writer reports ENOSPC as a RuntimeError
             self.errors.append(f"{path}: {e}")
             return
@@ -301,7 +301,7 @@ class _RecordingEngine:
             self.on_write(path)
 
 
-def _describe(path: Path, checksum: bool, fsync: bool = False) -> dict[str, Any]:
+def describe(path: Path, checksum: bool, fsync: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"bytes": path.stat().st_size}
     if checksum or fsync:
         h = hashlib.sha256()
@@ -346,7 +346,7 @@ def save(
 
     rank, world = world_of(group)
     tag = tag_for(step)
-    tmp_tag = f"{_TMP}{tag}"
+    tmp_tag = f"{TMP}{tag}"
     rec = recorder(engine)
     rec.checksums, rec.written, rec.errors = policy.checksums, {}, []
     rec.on_write = faults.kill_in_save_hook(step, rank) if faults else None
@@ -375,38 +375,48 @@ def save(
         )
     if rank == 0:
         files: dict[str, dict[str, Any]] = {}
-        for _, (w, _) in enumerate(reports):
+        for w, _ in reports:
             files.update(w)
-        if tokenizer_file is not None and tokenizer_file.is_file():
-            shutil.copyfile(tokenizer_file, tmp_dir / TOKENIZER)
-            ranks = tokenizer_file.with_name(BPE_RANKS_FILE)  # a trained BPE's ranks, which it names
-            if ranks.is_file():
-                shutil.copyfile(ranks, tmp_dir / BPE_RANKS_FILE)
-        for p in sorted(tmp_dir.rglob("*")):  # anything DeepSpeed wrote around the checkpoint engine
-            rel = str(p.relative_to(tmp_dir))
-            if p.is_file() and rel not in files:
-                files[rel] = _describe(p, policy.checksums, fsync=True)
         meta = {k: v for k, v in client_state.items() if k != "rng"}
+        meta.update(format="deepspeed", format_version=FORMAT_VERSION, tag=tag, world_size=world)
         meta.update(
-            format="deepspeed",
-            format_version=FORMAT_VERSION,
-            tag=tag,
-            world_size=world,
-            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            save_seconds=round(time.perf_counter() - t0, 3),
-            files=files,
+            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), save_seconds=round(time.perf_counter() - t0, 3)
         )
-        write_atomic(tmp_dir / META, json.dumps(seal(meta), indent=1) + "\n")
-        final, aside = ckpt_dir / tag, ckpt_dir / f"{_TRASH}{tag}-{os.getpid()}"
-        if final.exists() or final.is_symlink():  # an earlier save of this step that never became `latest`
-            final.rename(aside)
-        tmp_dir.rename(final)
-        fsync_dir(ckpt_dir)
-        write_atomic(ckpt_dir / LATEST, tag + "\n")
-        _discard(aside)
-        prune(ckpt_dir, policy)
+        _commit(ckpt_dir, tag, meta, files, policy=policy, tokenizer_file=tokenizer_file)
     barrier(group)
     return tag
+
+
+def _commit(
+    ckpt_dir: Path,
+    tag: str,
+    meta: dict[str, Any],
+    files: dict[str, dict[str, Any]],
+    *,
+    policy: CheckpointConfig,
+    tokenizer_file: Path | None,
+) -> None:
+    """Rank 0, once every rank has written its part of `.tmp-<tag>`: add the tokenizer and the meta
+    file (every file listed), rename it to `tag`, point `latest` at it, prune."""
+    tmp_dir = ckpt_dir / f"{TMP}{tag}"
+    if tokenizer_file is not None and tokenizer_file.is_file():
+        shutil.copyfile(tokenizer_file, tmp_dir / TOKENIZER)
+        ranks = tokenizer_file.with_name(BPE_RANKS_FILE)  # a trained BPE's ranks, which it names
+        if ranks.is_file():
+            shutil.copyfile(ranks, tmp_dir / BPE_RANKS_FILE)
+    for p in sorted(tmp_dir.rglob("*")):  # anything DeepSpeed wrote around the checkpoint engine
+        rel = str(p.relative_to(tmp_dir))
+        if p.is_file() and rel not in files:
+            files[rel] = describe(p, policy.checksums, fsync=True)
+    write_atomic(tmp_dir / META, json.dumps(seal({**meta, "files": files}), indent=1) + "\n")
+    final, aside = ckpt_dir / tag, ckpt_dir / f"{TRASH}{tag}-{os.getpid()}"
+    if final.exists() or final.is_symlink():  # an earlier save of this step that never became `latest`
+        final.rename(aside)
+    tmp_dir.rename(final)
+    fsync_dir(ckpt_dir)
+    write_atomic(ckpt_dir / LATEST, tag + "\n")
+    _discard(aside)
+    prune(ckpt_dir, policy)
 
 
 def prune(ckpt_dir: Path, policy: CheckpointConfig) -> list[str]:
@@ -434,7 +444,7 @@ def prune(ckpt_dir: Path, policy: CheckpointConfig) -> list[str]:
     removed = []
     for t in tags:
         if t not in keep:
-            trash = ckpt_dir / f"{_TRASH}{t}"
+            trash = ckpt_dir / f"{TRASH}{t}"
             (ckpt_dir / t).rename(trash)
             _discard(trash)
             removed.append(t)
@@ -487,6 +497,15 @@ def committed_tags(ckpt_dir: Path) -> tuple[list[str], list[str]]:
         else:
             out.append(t)
     return out, notes
+
+
+def saved_layout(meta: dict[str, Any]) -> Layout:
+    """The layout of the run that saved a checkpoint (tensor 1 x pipeline 1 before the parallel
+    section; no ZeRO stage or world size: 0 and one data-parallel rank)."""
+    par = meta.get("config", {}).get("parallel", {})
+    tp, pp = int(par.get("tensor", 1)), int(par.get("pipeline", 1))
+    data = max(1, int(meta.get("world_size", tp * pp)) // (tp * pp))
+    return Layout(tensor=tp, pipeline=pp, data=data, zero_stage=int(meta.get("zero_stage", 0)))
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -568,7 +587,7 @@ def verify(path: Path, *, checksums: bool = True, rank: int = 0, world: int = 1)
             continue
         f = path / rel
         try:
-            got = _describe(f, checksums and "sha256" in want)
+            got = describe(f, checksums and "sha256" in want)
         except OSError as e:
             problems.append(f"{rel}: {e.strerror or e}")
             continue
@@ -585,457 +604,3 @@ def verify_all(path: Path, checksums: bool, group: Any) -> list[str]:
     return [
         p for part in gather(verify(path, checksums=checksums, rank=rank, world=world), group) for p in part
     ]
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """A checkpoint to load: DeepSpeed's (root, tag) and what its meta file says."""
-
-    root: Path  # the checkpoints directory
-    tag: str  # "step_N", or "step_N/universal"
-    meta: dict[str, Any]
-
-    @property
-    def path(self) -> Path:
-        return self.root / self.tag
-
-    @property
-    def universal(self) -> bool:
-        return self.meta.get("format") == "universal"
-
-    @property
-    def step(self) -> int:
-        return int(self.meta["step"])
-
-
-def saved_layout(meta: dict[str, Any]) -> tuple[int, int]:
-    """(tensor, pipeline) of the run that saved a checkpoint ((1, 1) before the parallel section)."""
-    par = meta.get("config", {}).get("parallel", {})
-    return int(par.get("tensor", 1)), int(par.get("pipeline", 1))
-
-
-def needs_universal(
-    meta: dict[str, Any], world_size: int, zero_stage: int, layout: tuple[int, int] = (1, 1)
-) -> bool:
-    """A ZeRO checkpoint loads natively only with the partitioning it was saved with, and a tensor-
-    or pipeline-parallel one only with its layout (tensor, pipeline)."""
-    if saved_layout(meta) != layout:
-        return True
-    saved_world, saved_stage = (
-        int(meta.get("world_size", world_size)),
-        int(meta.get("zero_stage", zero_stage)),
-    )
-    if saved_stage == 0 and zero_stage == 0:
-        return False  # stage 0 saves the whole optimizer state on rank 0: any world size loads it
-    same_layout = saved_stage == zero_stage or {saved_stage, zero_stage} == {1, 2}
-    return saved_world != world_size or not same_layout
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _newest_valid(
-    ckpt_dir: Path, check: Callable[[Path], list[str]], report: Callable[[str], None]
-) -> Path | None:
-    """The newest committed checkpoint in `ckpt_dir` that `check` finds no problem with. Every
-    directory passed over is reported, with why: never skipped in silence."""
-    tags, notes = committed_tags(ckpt_dir)
-    for note in notes:
-        report(f"checkpoint: {note}")
-    for tag in reversed(tags):
-        problems = check(ckpt_dir / tag)
-        if not problems:
-            return ckpt_dir / tag
-        report(
-            f"checkpoint {ckpt_dir / tag} is invalid, skipped; trying the previous one:\n  - "
-            + "\n  - ".join(problems[:8])
-        )
-    return None
-
-
-def locate(
-    src: Path,
-    *,
-    check: Callable[[Path], list[str]] | None = None,
-    checksums: bool = True,
-    report: Callable[[str], None] = _stderr,
-) -> Path:
-    """The one way every reader (resume, convert, export, sample, preflight) turns what a person
-    names into a checkpoint directory it may read: a checkpoint (`step_N`, `step_N/universal`) whose
-    files `check` finds sound, or the newest sound one of a checkpoints or run directory. `check`
-    defaults to every file against the manifest in this process (sizes, and sha256 with
-    `checksums`)."""
-    if check is None:
-        check = partial(verify, checksums=checksums)
-    hint = "give a checkpoint (RUN_DIR/checkpoints/step_N), a checkpoints dir or a run dir"
-    if not src.exists():
-        raise CheckpointError(f"{src}: no such file or directory; {hint}")
-    if not src.is_dir():
-        raise CheckpointError(f"{src}: not a directory; {hint}")
-    if (src / META).is_file():
-        problems = check(src)
-        if problems:
-            raise CheckpointError(
-                f"{src}: invalid checkpoint (its files are not the ones written at save); pass its run "
-                "dir to use the newest valid checkpoint:\n  - " + "\n  - ".join(problems[:8])
-            )
-        return src
-    for ckpt_dir in (src, src / "checkpoints"):
-        if committed_tags(ckpt_dir) != ([], []):
-            found = _newest_valid(ckpt_dir, check, report)
-            if found is None:
-                raise CheckpointError(
-                    f"{src}: no valid checkpoint in {ckpt_dir} (each is listed above, with why)"
-                )
-            return found
-    raise CheckpointError(f"{src}: no checkpoint here; {hint}")
-
-
-def resume_path(
-    ckpt_dir: Path, spec: str, check: Callable[[Path], list[str]], report: Callable[[str], None]
-) -> Path | None:
-    """What a resume `spec` names: "auto", the newest valid checkpoint of `ckpt_dir` (None for a
-    run that has none yet); anything else, the checkpoint `locate` finds there. `find` and
-    preflight both ask here."""
-    if spec == "auto":
-        return _newest_valid(ckpt_dir, check, report)
-    return locate(Path(spec), check=check, report=report)
-
-
-INVALID = ".invalid"  # an invalid checkpoint set aside: `step_N.invalid`, no step tag any more
-
-
-def place_resume(ckpt_dir: Path, chosen: Checkpoint, spec: str, *, group: Any, report: Any = print) -> None:
-    """Where a resume from `chosen` may write: refuse what would lose or mix checkpoints, on every
-    rank alike.
-
-    - A checkpoint of another checkpoint dir, into one that holds checkpoints already: the two runs'
-      checkpoints, `latest` and metrics would be stitched together.
-    - A checkpoint named directly while newer ones sit beside it: the run's saves would replace them
-      step by step (and retention delete them).
-    - Resumed past newer ones that are invalid (`--resume auto` fell back): those are set aside as
-      `step_N.invalid`, kept, so that neither retention nor a new save of the same step touches them."""
-    here = committed_tags(ckpt_dir)[0]
-    same = chosen.root.resolve() == ckpt_dir.resolve()
-    if not same and here:
-        raise CheckpointError(
-            f"--resume {spec}: that checkpoint is another run's ({chosen.root}), and this run's checkpoint dir "
-            f"{ckpt_dir} holds checkpoints of its own (newest {here[-1]}); resuming here would stitch the two runs "
-            f"together. Continue that run in its own run dir (set logging.run_dir to {chosen.root.parent}), or "
-            "branch from it into a new one (set logging.run_dir to a new directory)"
-        )
-    newer = [t for t in here if (step_of(t) or 0) > chosen.step] if same else []
-    if not newer:
-        return
-    if (Path(spec) / META).is_file():
-        raise CheckpointError(
-            f"--resume {spec}: {ckpt_dir} holds newer checkpoints ({', '.join(newer)}), and this run's saves "
-            "would replace them as it reaches their steps. To go back to step "
-            f"{chosen.step}, move {'them' if len(newer) > 1 else 'it'} out of {ckpt_dir} first (nothing is "
-            "deleted for you); to branch from it, set logging.run_dir to a new directory; to continue the "
-            "newest, --resume auto"
-        )
-    if world_of(group)[0] == 0:
-        for tag in newer:
-            aside = ckpt_dir / f"{tag}{INVALID}"
-            n = 1
-            while aside.exists():
-                aside, n = ckpt_dir / f"{tag}{INVALID}-{n}", n + 1
-            (ckpt_dir / tag).rename(aside)
-            report(
-                f"checkpoint: {ckpt_dir / tag} is invalid: kept aside as {aside.name}, so that neither retention "
-                "nor this run's own save of that step touches it; delete it when you no longer need it"
-            )
-        fsync_dir(ckpt_dir)
-    barrier(group)
-
-
-def find(
-    ckpt_dir: Path,
-    spec: str,
-    *,
-    world_size: int,
-    zero_stage: int,
-    checksums: bool,
-    group: Any,
-    report: Any = print,
-    layout: tuple[int, int] = (1, 1),
-) -> Checkpoint | None:
-    """The checkpoint to resume from. `spec` is "auto" (the newest valid one in `ckpt_dir`; each
-    invalid one is reported and the previous one tried) or what a person named (`locate`); the
-    files are verified with the work shared out over the ranks.
-
-    A checkpoint saved on another world size (or ZeRO layout) is used through its universal
-    conversion (`pretrain convert`), and refused with the command to run if it has none."""
-
-    def check(p: Path) -> list[str]:
-        return verify_all(p, checksums, group)
-
-    chosen: Checkpoint | None = None
-    path = resume_path(ckpt_dir, spec, check, report)
-    if path is not None:
-        meta = read_meta(path)
-        root = path.parent.parent if meta.get("format") == "universal" else path.parent
-        chosen = Checkpoint(root, str(path.relative_to(root)), meta)
-    if chosen is None:
-        return None
-    (tp, pp), (saved_tp, saved_pp) = layout, saved_layout(chosen.meta)
-    if (pp > 1) != (saved_pp > 1):
-        raise CheckpointError(
-            f"{chosen.path} was saved {'by' if saved_pp > 1 else 'without'} a pipeline "
-            f"(parallel.pipeline={saved_pp}); this run has parallel.pipeline={pp}. A pipeline's checkpoint "
-            "names its parameters by stage layer, the GPT's by module, and DeepSpeed's universal format "
-            "cannot map one onto the other: resume with "
-            + (f"--set parallel.pipeline={saved_pp}" if saved_pp > 1 else "--set parallel.pipeline=1")
-            + f", or carry the weights across with `pretrain export {chosen.path}` (without the optimizer state)"
-        )
-    if chosen.universal or not needs_universal(chosen.meta, world_size, zero_stage, layout):
-        return chosen
-    uni = chosen.path / UNIVERSAL
-    saved = f"{_ranks(int(chosen.meta.get('world_size', 0)))} at ZeRO-{chosen.meta.get('zero_stage')}"
-    if (saved_tp, saved_pp) != (1, 1) or layout != (1, 1):
-        saved += f", tensor {saved_tp} x pipeline {saved_pp}"
-        world_size_s = f"{_ranks(world_size)} at ZeRO-{zero_stage}, tensor {tp} x pipeline {pp}"
-    else:
-        world_size_s = f"{_ranks(world_size)} at ZeRO-{zero_stage}"
-    if int(chosen.meta.get("zero_stage", 0)) == 0:  # DeepSpeed's converter takes ZeRO 1-3 only
-        raise CheckpointError(
-            f"{chosen.path} was saved on {saved}; this run has {world_size_s}. A ZeRO-0 checkpoint holds the "
-            "whole optimizer state and loads on any world size, but only at ZeRO-0 (DeepSpeed's universal "
-            f"converter takes ZeRO 1-3): resume with --set zero.stage=0, or carry the weights across with "
-            f"`pretrain export {chosen.path}` (without the optimizer state)"
-        )
-    if not (uni / META).is_file():
-        raise CheckpointError(
-            f"{chosen.path} was saved on {saved}; this run has {world_size_s}. "
-            f"Convert it to DeepSpeed's universal format first:\n  pretrain convert {chosen.path}"
-        )
-    problems = verify_all(uni, checksums, group)
-    if problems:
-        raise CheckpointError(
-            f"{uni}: invalid universal checkpoint; convert again with `pretrain convert {chosen.path}`:\n  - "
-            + "\n  - ".join(problems[:8])
-        )
-    return Checkpoint(chosen.root, f"{chosen.tag}/{UNIVERSAL}", read_meta(uni))
-
-
-def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], *, warn: bool = True) -> None:
-    """Refuse to continue a checkpoint with another architecture or tokenizer; warn on other data."""
-    problems = []
-    saved_model = ckpt.meta.get("config", {}).get("model", {})
-    for key, value in cfg.model.model_dump(mode="json").items():
-        # a field newer than the checkpoint had its default then (every such default is the old model)
-        saved = saved_model.get(key, type(cfg.model).model_fields[key].default)
-        # init_from only starts a run: a resume takes the checkpoint's weights, wherever they came from
-        if saved != value and key not in ("dropout", "activation_checkpointing", "init_from"):
-            problems.append(f"model.{key}: checkpoint has {saved!r}, this run has {value!r}")
-    if ckpt.meta.get("tokenizer_fingerprint") != datasets[0].manifest["tokenizer"]["fingerprint"]:
-        problems.append("the tokenizer differs from the one the checkpoint was trained with")
-    saved_precision = ckpt.meta.get("precision", "fp32")
-    if saved_precision != cfg.precision.name:
-        # DeepSpeed's optimizer state differs in kind (fp16 keeps a loss scaler, bf16 and fp16 fp32
-        # master weights): loading one into the other fails inside DeepSpeed.
-        flags = {"fp32": "precision.bf16=false precision.fp16=false", "bf16": "precision.bf16=true",
-                 "fp16": "precision.fp16=true"}.get(str(saved_precision), "the checkpoint's precision")  # fmt: skip
-        problems.append(
-            f"precision: the checkpoint was trained in {saved_precision}, this run is {cfg.precision.name}; "
-            f"DeepSpeed cannot load one's optimizer state into the other. Resume with --set {flags}, or "
-            f"carry the weights across with `pretrain export {ckpt.path}` (without the optimizer state)"
-        )
-    if problems:
-        raise DataError(f"{ckpt.path}: cannot resume:\n  - " + "\n  - ".join(problems))
-    if warn:
-        for note in [
-            *schedule_changes(ckpt, cfg),
-            *batch_and_seed_changes(ckpt, cfg),
-            *accumulation_change(ckpt, cfg),
-        ]:
-            print(f"warning: {note}", flush=True)
-    saved_data = ckpt.meta.get("data_manifest_sha256")
-    if warn and saved_data and saved_data != datasets_sha256(datasets):
-        print(
-            f"warning: {ckpt.path} was trained on another prepared dataset (its manifest differs); the data "
-            "order will not continue exactly",
-            flush=True,
-        )
-
-
-def accumulation_change(ckpt: Checkpoint, cfg: RunConfig) -> list[str]:
-    """A bf16 resume that sums gradients in another dtype than the checkpoint's run (DeepSpeed loads
-    one's optimizer state into the other). A checkpoint from before precision.grad_accum_dtype summed
-    them in bf16, DeepSpeed's default."""
-    if not cfg.precision.bf16:
-        return []
-    was = ckpt.meta.get("config", {}).get("precision", {}).get("grad_accum_dtype", "bf16")
-    now = cfg.precision.grad_accum_dtype
-    if was == now:
-        return []
-    return [
-        f"this resume changes precision.grad_accum_dtype from {was} to {now}: the gradients are summed in {now} from here on"
-    ]
-
-
-def batch_and_seed_changes(ckpt: Checkpoint, cfg: RunConfig) -> list[str]:
-    """What a resume changes in the global batch and the seed, said at start."""
-    saved = ckpt.meta.get("config", {})
-    notes = []
-    batch = saved.get("batch", {})
-    parts = [batch.get(k) for k in ("micro_batch_size", "gradient_accumulation_steps", "data_parallel_size")]
-    if all(isinstance(x, int) for x in parts):
-        was = parts[0] * parts[1] * parts[2]
-        now = cfg.batch.sequences
-        if was != now:
-            b = cfg.batch
-            notes.append(
-                f"this resume changes the global batch from {was} to {now} sequences a step (micro x accumulation x "
-                f"data-parallel: {parts[0]} x {parts[1]} x {parts[2]} -> {b.micro_batch_size} x "
-                f"{b.gradient_accumulation_steps} x {b.data_parallel_size}): each step now takes {now / was:.3g} times "
-                "the tokens, while the LR schedule still counts steps. To keep the batch, set "
-                "batch.gradient_accumulation_steps for this world size"
-            )
-    if isinstance(saved.get("seed"), int) and saved["seed"] != cfg.seed:
-        notes.append(
-            f"seed: the checkpoint was trained with {saved['seed']}, this run has {cfg.seed}; the checkpoint's "
-            "random generators are restored, so the new seed only seeds what they do not cover"
-        )
-    return notes
-
-
-def schedule_changes(ckpt: Checkpoint, cfg: RunConfig) -> list[str]:
-    """What a resume changes in the LR schedule (schedule.*, optimizer.lr), with the LR jump it
-    makes at the step it continues from: the cosine re-stretched, or a new peak."""
-    from pretrain.config.tree import ScheduleConfig
-    from pretrain.training.schedule import lr_at
-
-    saved = ckpt.meta.get("config", {})
-    now_sched, now_lr = cfg.schedule.model_dump(mode="json"), cfg.optimizer.lr
-    try:
-        was_sched = ScheduleConfig.model_validate({**now_sched, **saved.get("schedule", {})})
-        was_lr = float(saved.get("optimizer", {}).get("lr", now_lr))
-    except (ValueError, TypeError):
-        return []
-    changed = [
-        f"schedule.{k}: {v!r} -> {now_sched[k]!r}"
-        for k, v in was_sched.model_dump(mode="json").items()
-        if now_sched.get(k) != v and k != "max_hours"  # a stop by the clock: the curve is the same
-    ]
-    if was_lr != now_lr:
-        changed.append(f"optimizer.lr: {was_lr!r} -> {now_lr!r}")
-    if not changed:
-        return []
-    step, tokens = int(ckpt.meta.get("step", 0)), cfg.tokens_per_step
-    before = lr_at(step, was_lr, was_sched, was_sched.total_steps(tokens))
-    after = lr_at(step, now_lr, cfg.schedule, cfg.total_steps)
-    return [
-        f"this resume changes the learning-rate schedule ({'; '.join(changed)}): at step {step} the LR "
-        f"{'jumps' if abs(after - before) > 1e-3 * max(before, after, 1e-12) else 'stays'} from {before:.3g} "
-        f"to {after:.3g}. To continue the schedule the checkpoint was trained with, resume with its "
-        "settings (its config.yaml)"
-    ]
-
-
-def _ranks(n: int) -> str:
-    return f"{n} rank{'s' if n != 1 else ''}"
-
-
-def load(engine: Any, ckpt: Checkpoint) -> dict[str, Any]:
-    """Load model, optimizer and DeepSpeed state, weights only; returns the client state."""
-    # DeepSpeed reads this flag only while loading; setting it per load lets one engine load a
-    # universal checkpoint at start and its own native ones (a rollback) later.
-    engine._config.load_universal_checkpoint = ckpt.universal
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
-    # No autograd while loading: a pipeline's load broadcasts its tied embedding in place, which with
-    # autograd on leaves a c10d::broadcast_ record that every later backward warns about.
-    with safe_loading(), torch.no_grad():
-        path, client_state = engine.load_checkpoint(str(ckpt.root), tag=ckpt.tag)
-    if path is None:
-        raise CheckpointError(f"{ckpt.path}: DeepSpeed could not load this checkpoint")
-    if ckpt.universal:
-        # Two workarounds for DeepSpeed 0.19's ZeRO-3 universal load, without which the run drifts
-        # from the one it continues: it copies the first group's hyperparameters onto every group
-        # (weight decay included: embeddings, norms and biases would be decayed), and it gives every
-        # group the same `step` tensor, which AdamW then increments once per group and step.
-        for g, before in zip(engine.optimizer.param_groups, groups, strict=True):
-            g.update(before)
-        base = getattr(engine.optimizer, "optimizer", engine.optimizer)
-        for state in base.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
-    return dict(client_state or {})
-
-
-# ---------------------------------------------------------------------------------------------
-# Universal checkpoints (another world size or ZeRO stage)
-
-
-def convert_to_universal(src: Path, workers: int = 1, checksums: bool = True) -> tuple[Path, bool]:
-    """Write DeepSpeed's universal checkpoint of `src` into `src/universal`, atomically; (its path,
-    False) when a sound one of ours is there already. Anything else at that path that this project
-    did not write is refused and kept; an unsound one of ours is replaced."""
-    src = locate(src, checksums=checksums)
-    meta = read_meta(src)
-    if meta.get("format") == "universal":
-        raise CheckpointError(f"{src} is a universal checkpoint already; `train --resume {src}` loads it")
-    if int(meta.get("zero_stage", 0)) == 0 and saved_layout(meta) != (1, 1):
-        tp, pp = saved_layout(meta)
-        raise CheckpointError(
-            f"{src} is a ZeRO stage 0 checkpoint of tensor {tp} x pipeline {pp}: DeepSpeed converts ZeRO "
-            "checkpoints (stage 1 and up) only. It resumes on its own layout; to change layouts later, "
-            "train with --set zero.stage=1"
-        )
-    if int(meta.get("zero_stage", 0)) == 0:
-        raise CheckpointError(
-            f"{src} is a ZeRO stage 0 checkpoint: it holds the whole optimizer state and resumes on "
-            "any world size as it is; there is nothing to convert"
-        )
-    out, tmp = src / UNIVERSAL, src / f"{_TMP}{UNIVERSAL}"
-    old = None
-    if out.exists() or out.is_symlink():
-        ours = out.is_dir() and not out.is_symlink() and (out / META).is_file()
-        if not ours or read_meta(out).get("format") != "universal":
-            raise CheckpointError(
-                f"{out} is in the way: it is not a universal checkpoint this project wrote, and it is kept as "
-                f"it is. Move it elsewhere, then run `pretrain convert {src}` again"
-            )
-        if not verify(out, checksums=checksums):
-            return out, False
-        # Ours but unsound: set aside (outside src, which DeepSpeed's converter reads) until the new
-        # one is in place, and put back should the conversion fail.
-        old = src.parent / f"{_TRASH}{src.name}-{UNIVERSAL}-{os.getpid()}"
-        out.rename(old)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        _convert(src, tmp, out, meta, workers, checksums)
-    except BaseException:
-        if old is not None and not out.exists():
-            old.rename(out)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return out, True
-
-
-def _convert(src: Path, tmp: Path, out: Path, meta: dict[str, Any], workers: int, checksums: bool) -> None:
-    from deepspeed.checkpoint import ds_to_universal
-
-    args = Namespace(
-        input_folder=str(src),
-        output_folder=str(tmp),
-        num_extract_workers=workers,
-        num_merge_workers=workers,
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=True,
-    )
-    with safe_loading():
-        ds_to_universal.main(args)
-    (src / "latest_universal").unlink(missing_ok=True)  # written next to the output; we use our own meta
-    files = {
-        str(p.relative_to(tmp)): _describe(p, checksums, fsync=True)
-        for p in sorted(tmp.rglob("*"))
-        if p.is_file()
-    }
-    umeta = {**meta, "format": "universal", "tag": f"{src.name}/{UNIVERSAL}", "files": files}
-    write_atomic(tmp / META, json.dumps(seal(umeta), indent=1) + "\n")
-    replace_dir(tmp, out)

@@ -1,52 +1,42 @@
 """The training loop: lr, micro-steps through the DeepSpeed engine, step, log, eval, checkpoint.
 
-`train()` reads top to bottom in paper order; `setup()` does everything before the first step,
+`train()` reads top to bottom in paper order; `setup()` (run.py) does everything before the first step,
 `train_step()` is one optimizer step's micro-steps, `_on_bad_step()` skips or rolls back after a
 non-finite loss.
 """
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from pretrain.cluster.hardware import cpu_native_bf16, device_peak_tflops
-from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
-from pretrain.config.tree import RunConfig, analytic_flops_per_token, analytic_num_params
-from pretrain.data.dataset import TOKENIZER_FILE, Dataset, open_datasets, resolve_vocab
-from pretrain.data.loader import ShardedLoader
-from pretrain.data.tokenizer import Tokenizer, load_tokenizer
-from pretrain.errors import CheckpointError, OutputError
-from pretrain.training import checkpoint, init_from, rundir
+from pretrain.config.layout import layout_of
+from pretrain.config.tree import RunConfig, analytic_flops_per_token
+from pretrain.data.dataset import TOKENIZER_FILE
+from pretrain.errors import CheckpointError
+from pretrain.training import checkpoint
 from pretrain.training import engine as ds_engine
-from pretrain.training.engine import Dist
 from pretrain.training.evaluate import evaluate, sample
-from pretrain.training.guards import (
-    Agreement,
-    Faults,
-    Sentinel,
-    control_group,
-    gather,
-    set_roster,
-    start_agreement,
-)
+from pretrain.training.faults import Faults
+from pretrain.training.guards import Agreement, Sentinel, start_agreement
 from pretrain.training.metrics import (
     MetricsLog,
     PhaseTimer,
-    available_monitors,
     gather_interval,
     quiet_monitor,
     seconds_since_process_start,
-    start_wandb,
     summarize,
 )
+from pretrain.training.ranks import Dist, gather
+from pretrain.training.resume import Checkpoint
+from pretrain.training.resume import find as find_checkpoint
+from pretrain.training.resume import load as load_checkpoint
+from pretrain.training.run import Run, setup
 from pretrain.training.schedule import lr_at
 
 
@@ -62,31 +52,6 @@ class TrainResult:
     rollbacks: list[int] = field(default_factory=list)  # the step each rollback went back to
     stopped_by: str | None = None  # the signal that stopped the run early (after a checkpoint)
     ended_by: str = "max_steps"  # what ended it: max_steps, max_tokens, max_hours, or the signal
-
-
-@dataclass
-class Run:
-    """What `setup` builds: the resolved config, the engine, the data and where checkpoints go."""
-
-    cfg: RunConfig
-    dist: Dist
-    engine: Any
-    datasets: list[Dataset]
-    tokenizer: Tokenizer
-    train_data: ShardedLoader
-    val_data: ShardedLoader
-    ckpt_dir: Path
-    ctrl: Any  # the gloo group ranks agree through
-    resume_from: checkpoint.Checkpoint | None
-    params: list[torch.nn.Parameter] = field(default_factory=list)  # the module's, listed once for clipping
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.cfg.tokens_per_step
-
-    @property
-    def pipelined(self) -> bool:
-        return self.cfg.parallel.pipeline > 1
 
 
 @dataclass
@@ -302,9 +267,9 @@ def train_step(
                 # Stage 0 in fp32: one foreach pass clips the (already reduced) gradients and gives
                 # the norm, with no all_reduce of a norm every rank already has (DeepSpeed's way).
                 grad_norm = torch.nn.utils.clip_grad_norm_(run.params, cfg.optimizer.grad_clip, foreach=True)
-            elif want_grad_norm and cfg.zero.stage == 0:
+            elif want_grad_norm and layout_of(cfg).zero_stage == 0:
                 grad_norm = _grad_norm(
-                    engine.module, tensor=cfg.parallel.tensor > 1
+                    engine.module, tensor=layout_of(cfg).tensor_parallel
                 )  # DeepSpeed reports none
         timer.phase("optimizer")
         engine.step()
@@ -343,174 +308,6 @@ def pipeline_step(
 
 
 BF16_PAYS_FROM = 384  # n_embd from which bf16 trains faster than fp32 on a CPU with bf16 matmuls
-
-
-def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
-    """Everything before the first step, in the order that fails fastest: the data and its
-    tokenizer, the DeepSpeed config, the run dir, the checkpoint dir and the checkpoint to resume
-    from, then the engine and the loaders."""
-    datasets = open_datasets(cfg.data)  # data.blend's, or the one prepared; tokenizer checked
-    tokenizer = load_tokenizer(datasets[0].dir / TOKENIZER_FILE, cfg.data.tokenizer_path)
-    weights, unusable = None, None
-    if cfg.model.init_from is not None:  # read as far as its headers; the model's shape from it if asked
-        try:
-            cfg, weights = init_from.open_checked(
-                cfg, tokenizer, datasets[0].manifest["tokenizer"]["fingerprint"]
-            )
-        except CheckpointError as e:
-            if not resume:
-                raise
-            unusable = e  # a resume takes the checkpoint's weights: said below only if there is none
-    cfg = resolve_vocab(cfg, tokenizer.vocab_size)
-    ds_config = available_monitors(render_deepspeed(cfg), warn=dist.is_main)
-    check_with_deepspeed(ds_config)
-    run_dir = cfg.run_dir()
-    ckpt_dir = run_dir / cfg.checkpoint.dir
-    ctrl = control_group()
-    # The run dir is this run's alone: rank 0 locks it for the whole run, before anything is written.
-    refused = None
-    if dist.is_main:
-        try:
-            rundir.claim(run_dir, ckpt_dir)
-            if not resume and (tags := checkpoint.committed_tags(ckpt_dir)[0]):
-                raise OutputError(
-                    f"{run_dir} holds the checkpoints of an earlier run (newest {tags[-1]}); a new run there "
-                    "would mix its checkpoints with them: continue it with --resume, or set logging.run_dir "
-                    f"to a new directory (or remove {ckpt_dir} yourself)"
-                )
-        except OutputError as e:
-            refused = str(e)
-    answers = gather((refused, socket.gethostname(), os.getpid()), ctrl)  # and who each rank is
-    set_roster([(host, pid) for _, host, pid in answers])
-    if refused := next((r for r, _, _ in answers if r), None):
-        raise OutputError(refused)
-    # Checkpoints: a writable dir with room for one, and the one to resume from, before any work.
-    checkpoint.preflight(
-        ckpt_dir, need_bytes=checkpoint.estimate_bytes(cfg), keep=cfg.checkpoint.keep_last, group=ctrl
-    )
-    resume_from = None
-    if resume:
-        spec = "auto" if resume is True else str(resume)
-        resume_from = checkpoint.find(
-            ckpt_dir,
-            spec,
-            world_size=dist.world_size,
-            zero_stage=cfg.zero.stage,
-            checksums=cfg.checkpoint.checksums,
-            group=ctrl,
-            report=dist.log,
-            layout=(cfg.parallel.tensor, cfg.parallel.pipeline),
-        )
-        if resume_from is not None:
-            checkpoint.check_compatible(resume_from, cfg, datasets, warn=dist.is_main)
-            checkpoint.place_resume(ckpt_dir, resume_from, spec, group=ctrl, report=dist.log)
-        else:
-            dist.log(f"no checkpoint to resume from in {ckpt_dir}: starting at step 0")
-    if unusable is not None and resume_from is None:
-        raise unusable  # no checkpoint: the run starts from init_from, which cannot be used
-    # The run's record, once nothing above refused the run: a refused run writes none.
-    refused = None
-    if dist.is_main:
-        try:
-            rundir.record(run_dir, cfg, ds_config)
-        except OutputError as e:
-            refused = str(e)
-    if refused := next((r for r in gather(refused, ctrl) if r), None):
-        raise OutputError(refused)
-
-    if dist.is_main:
-        start_wandb(
-            run_dir,
-            ds_config,
-            {**cfg.model_dump(mode="json"), "world_size": dist.world_size},
-            bool(resume),  # --resume, or a supervised restart: the same W&B run
-        )
-    if cfg.model.init_from is not None and resume_from is not None:
-        where = weights.dir if weights is not None else cfg.model.init_from.path
-        dist.log(f"model.init_from {where}: not loaded, the checkpoint's weights win on a resume")
-        weights = None
-    elif weights is not None:
-        dist.log(f"model.init_from: the weights of {weights.dir} ({weights.architecture})")
-    model = ds_engine.build_model(cfg, ds_config, weights)
-    if weights is not None:  # a NaN or inf that any rank read stops every rank, before DeepSpeed starts
-        init_from.finite_or_error(weights, gather(weights.non_finite, ctrl))
-    engine = ds_engine.initialize(cfg, model, ds_config)
-    b = cfg.batch
-    # The ranks of one tensor-parallel group, and of one pipeline, read the same batches: the
-    # data-parallel group's, which is DeepSpeed's (checked against the engine's groups).
-    dp_rank, dp_size = ds_engine.data_parallel_rank(cfg, dist, engine)
-    # Weights come from one seed on every rank; what is random in training (dropout) must differ
-    # between data-parallel ranks, or each would drop the same units, and agree within a tensor-
-    # parallel group, whose ranks hold the same activations between their sharded layers. A resume
-    # restores these generators.
-    checkpoint.seed_generators(cfg.seed + 1 + dp_rank)
-
-    def loader(split: str, grad_accum: int, shuffle: bool) -> ShardedLoader:
-        return ShardedLoader(
-            # train: the datasets mixed by weight; val: all their val shards, in order
-            [d.shard_paths(split) for d in datasets]
-            if shuffle
-            else [p for d in datasets for p in d.shard_paths(split)],
-            block_size=cfg.model.block_size,
-            micro_batch_size=b.micro_batch_size,
-            grad_accum=grad_accum,
-            rank=dp_rank,
-            world_size=dp_size,
-            seed=cfg.data.seed,
-            shuffle=shuffle,
-            verify=cfg.data.verify_shards and dist.local_rank == 0,  # one full read per host, not per rank
-            weights=[d.weight for d in datasets] if shuffle else None,
-            prefetch=cfg.data.prefetch if shuffle else 0,
-            # verified shards hold the tokenizer's ids; unverified ones are checked batch by batch
-            vocab_size=None if cfg.data.verify_shards else cfg.model.vocab_size,
-        )
-
-    run = Run(
-        cfg,
-        dist,
-        engine,
-        datasets,
-        tokenizer,
-        loader("train", b.gradient_accumulation_steps, shuffle=True),
-        loader("val", 1, shuffle=False),
-        ckpt_dir,
-        ctrl,
-        resume_from,
-        list(engine.module.parameters()),  # walking the module for them costs ~0.4 ms a step
-    )
-    dist.log(_banner(run))
-    return run
-
-
-def _banner(run: Run) -> str:
-    cfg, b, world = run.cfg, run.cfg.batch, run.dist.world_size
-    par = cfg.parallel
-    layout = (
-        f"tensor {par.tensor} x pipeline {par.pipeline} x data {b.data_parallel_size} = "
-        if par.model_parallel > 1
-        else ""
-    )
-    n_train = sum(d.n_tokens("train") for d in run.datasets)
-    n_val = sum(d.n_tokens("val") for d in run.datasets)
-    return (
-        f"{cfg.preset}: {analytic_num_params(cfg.model) / 1e6:.2f}M params, {cfg.model.n_layer} layers, "
-        f"{cfg.precision.name}, ZeRO-{cfg.zero.stage}{' + offload' if cfg.zero.offload_optimizer else ''}, "
-        f"{layout}world size {world}\n"
-        f"batch {b.micro_batch_size} x {b.gradient_accumulation_steps} x {b.data_parallel_size} = "
-        f"{b.sequences} sequences = {run.tokens_per_step:,} tokens/step, {_budget(cfg)}\n"
-        f"data {run.datasets[0].dir}: {n_train:,} train / {n_val:,} val tokens, vocab {run.tokenizer.vocab_size}\n"
-        f"run dir {cfg.run_dir()}"
-    )
-
-
-def _budget(cfg: RunConfig) -> str:
-    """The run's length as the banner says it: its steps, the budget that sets them, and max_hours."""
-    s = cfg.schedule
-    steps = f"{cfg.total_steps} steps"
-    if s.max_tokens is not None:
-        binds = cfg.schedule.binding(cfg.tokens_per_step)
-        steps += f" ({binds} binds: max_steps {s.max_steps}, max_tokens {s.max_tokens:,})"
-    return steps + (f", or {s.max_hours:g} h of training if that comes first" if s.max_hours else "")
 
 
 def _end_step(run: Run, progress: Progress) -> int:
@@ -777,14 +574,12 @@ def _on_bad_step(run: Run, progress: Progress, sentinel: Sentinel, *, batch_star
             f"step {progress.step + 1}: non-finite loss again after {len(progress.rollbacks)} rollbacks "
             f"(checkpoint.max_rollbacks); stopping"
         )
-    target = checkpoint.find(
+    target = find_checkpoint(
         run.ckpt_dir,
         "auto",
-        world_size=dist.world_size,
-        zero_stage=cfg.zero.stage,
+        layout=layout_of(cfg, dist.world_size),
         checksums=policy.checksums,
         group=run.ctrl,
-        layout=(cfg.parallel.tensor, cfg.parallel.pipeline),
     )
     if target is None:
         raise CheckpointError(
@@ -803,10 +598,10 @@ def _on_bad_step(run: Run, progress: Progress, sentinel: Sentinel, *, batch_star
     return True
 
 
-def _restore(run: Run, ckpt: checkpoint.Checkpoint, progress: Progress) -> None:
+def _restore(run: Run, ckpt: Checkpoint, progress: Progress) -> None:
     """Load a checkpoint into the engine, the loader, the RNGs and `progress`."""
     dist = run.dist
-    state = checkpoint.load(run.engine, ckpt)
+    state = load_checkpoint(run.engine, ckpt)
     progress.step = int(state["step"])
     progress.tokens_seen = int(state["tokens_seen"])
     progress.elapsed_hours = float(state.get("elapsed_hours", 0.0))  # none in older checkpoints

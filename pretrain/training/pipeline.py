@@ -36,8 +36,10 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from pretrain.config.ds_render import pipeline_checkpoint_interval
+from pretrain.config.layout import layout_of
 from pretrain.config.tree import ModelConfig, RunConfig, required_vocab_size
 from pretrain.training import init_from
+from pretrain.training.ds_internals import set_tensor_group, stage_grid, stage_start
 from pretrain.training.init_from import Source
 from pretrain.training.model import Block, HasDerivedBuffers, cross_entropy, norm, rope_cache
 
@@ -143,7 +145,7 @@ def build_pipeline(cfg: RunConfig, where: torch.device, init: Source | None = No
     from torch.distributed import get_world_size
 
     spec, tied_spec = _meta_specs()
-    m, par = cfg.model, cfg.parallel
+    m, layout = cfg.model, layout_of(cfg, get_world_size())
     embed = tied_spec(TIED, TokenEmbedding, m, tied_weight_attr="weight")
     head = (
         tied_spec(TIED, TokenEmbedding, m, forward_fn=tied_logits, tied_weight_attr="weight")
@@ -152,7 +154,6 @@ def build_pipeline(cfg: RunConfig, where: torch.device, init: Source | None = No
     )
     layers = [embed, spec(Positions, m), *(spec(PipelineBlock, m) for _ in range(m.n_layer))]
     layers += [spec(FinalNorm, m), head]
-    dp = get_world_size() // par.model_parallel
     # No autograd while building: PipelineModule ties the embedding of the first and last stages by
     # broadcasting its weight in place, which with autograd on leaves a c10d::broadcast_ record that
     # every backward of the last stage then warns about (docs/parallel.md).
@@ -160,9 +161,11 @@ def build_pipeline(cfg: RunConfig, where: torch.device, init: Source | None = No
         return _stage_class()(
             StageBuild(cfg, where, init),
             layers=layers,
-            topology=PipeModelDataParallelTopology(num_pp=par.pipeline, num_mp=par.tensor, num_dp=dp),
+            topology=PipeModelDataParallelTopology(
+                num_pp=layout.pipeline, num_mp=layout.tensor, num_dp=layout.data
+            ),
             loss_fn=LossFn(),
-            partition_method=par.partition_method,
+            partition_method=cfg.parallel.partition_method,
             activation_checkpoint_interval=pipeline_checkpoint_interval(cfg),
             activation_checkpoint_func=_checkpoint,
         )
@@ -229,17 +232,15 @@ def _materialize_stage(module: Any, build: StageBuild) -> None:
     parallel share. Only the blocks hold split matrices; the embeddings, norms and head stay whole."""
     from pretrain.training.tensor_parallel import TensorSharder, materialize_layer
 
-    cfg, m, par = build.cfg, build.cfg.model, build.cfg.parallel
+    cfg, m, layout = build.cfg, build.cfg.model, layout_of(build.cfg)
     names = gpt_names(m)
-    grid = module._grid  # the stage's topology, built by PipelineModule before its layers
+    grid = stage_grid(module)  # the stage's topology, built by PipelineModule before its layers
     sharder = None
-    if par.tensor > 1:
-        from deepspeed.utils import groups
-
+    if layout.tensor_parallel:
         # AutoTP's training layers ask DeepSpeed's groups for their group: it is the pipeline's.
-        groups._TENSOR_MODEL_PARALLEL_GROUP = grid.get_slice_parallel_group()
-        sharder = TensorSharder(module, m, par.tensor, grid.get_slice_parallel_group())
-    place = (par.tensor, grid.get_slice_parallel_rank())  # within this rank's tensor group
+        set_tensor_group(grid.get_slice_parallel_group())
+        sharder = TensorSharder(module, m, layout.tensor, grid.get_slice_parallel_group())
+    place = (layout.tensor, grid.get_slice_parallel_rank())  # within this rank's tensor group
     load = None
     if build.init is not None:
         load = functools.partial(init_from.load_shares, source=build.init, m=m, tensor=place)
@@ -264,7 +265,7 @@ def _local_layers(module: Any) -> Iterator[tuple[int, nn.Module]]:
     for offset, layer in enumerate(module.forward_funcs):
         if isinstance(layer, nn.Module) and id(layer) not in seen:
             seen.add(id(layer))
-            yield module._local_start + offset, layer
+            yield stage_start(module) + offset, layer
     for key, layer in module.tied_modules.items():  # a tied head built on the last stage only
         if id(layer) not in seen and key == TIED:
             seen.add(id(layer))

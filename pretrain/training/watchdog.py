@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from pretrain.config.tree import WatchdogConfig
+from pretrain.config.run_sections import WatchdogConfig
 from pretrain.files import AtomicFile
 
 EXIT_CODE = 124  # as timeout(1); any non-zero exit is a failure the supervisor restarts

@@ -43,9 +43,9 @@ def test_nccl_backend_and_local_rank_device(tmp_path):
     probe.write_text(
         "import os, torch, torch.distributed as dist\n"
         "from pretrain.training import engine\n"
-        "d = engine.launch_env(); engine.init_distributed(d)\n"
+        "d = ranks.launch_env(); ranks.init_distributed(d)\n"
         "print('backend', dist.get_backend(), 'device', torch.cuda.current_device(), 'local', d.local_rank)\n"
-        "engine.leave_distributed()\n"
+        "ranks.leave_distributed()\n"
     )
     out = subprocess.run(
         [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", "29591",

@@ -1,0 +1,92 @@
+"""DeepSpeed's private attributes that this project touches, all in training/ds_internals.py, each
+checked here against the installed DeepSpeed: after an upgrade this file says what moved."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+
+from pretrain.training import ds_internals
+
+PACKAGE = Path(__file__).resolve().parent.parent / "pretrain"
+# The private names DeepSpeed defines that ds_internals reaches for.
+PRIVATE = {
+    "_grid",
+    "_local_start",
+    "_config",
+    "_init_tp_mesh_device",
+    "_TENSOR_MODEL_PARALLEL_GROUP",
+    "build_shm_op",
+}
+
+
+def _source(dotted: str) -> str:
+    module, _, name = dotted.rpartition(".")
+    return inspect.getsource(getattr(importlib.import_module(module), name))
+
+
+def test_the_private_names_are_touched_in_ds_internals_only():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "ds_internals.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in PRIVATE:
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} .{node.attr}")
+    assert found == [], "DeepSpeed's private attributes belong in training/ds_internals.py"
+
+
+@pytest.mark.parametrize(
+    "where, what",
+    [
+        ("deepspeed.comm.torch", "build_shm_op"),
+        ("deepspeed.utils.groups", "_init_tp_mesh_device"),
+        ("deepspeed.utils.groups", "_TENSOR_MODEL_PARALLEL_GROUP"),
+    ],
+)
+def test_module_attributes_exist(where, what):
+    module = importlib.import_module(where)
+    assert hasattr(module, what), (
+        f"{where}.{what} is gone from DeepSpeed {importlib.import_module('deepspeed').__version__} "
+        f"(ds_internals was checked on {ds_internals.CHECKED_ON}): see ds_internals.py"
+    )
+
+
+@pytest.mark.parametrize(
+    "where, assigned",
+    [
+        ("deepspeed.runtime.pipe.module.PipelineModule", ["self._grid", "self._local_start"]),
+        ("deepspeed.runtime.engine.DeepSpeedEngine", ["self._config"]),
+        (
+            "deepspeed.runtime.config.DeepSpeedConfig",
+            ["self.gradient_clipping", "self.load_universal_checkpoint"],
+        ),
+    ],
+)
+def test_instance_attributes_are_still_set(where, assigned):
+    """The attributes ds_internals reads or writes on DeepSpeed's objects are still set by them."""
+    source = _source(where)
+    missing = [a for a in assigned if f"{a} =" not in source]
+    assert missing == [], f"{where} no longer sets {missing} (checked on {ds_internals.CHECKED_ON})"
+
+
+def test_the_engine_reads_what_ds_internals_writes():
+    """The engine reads its copies of gradient_clipping and load_universal_checkpoint (set per load
+    by `load_universal_next`) where it clips and loads."""
+    source = _source("deepspeed.runtime.engine.DeepSpeedEngine")
+    assert "return self._config.gradient_clipping" in source
+    assert "return self._config.load_universal_checkpoint" in source
+
+
+def test_skip_shm_comm_op_leaves_a_callable_that_builds_nothing():
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    before = ds_torch.build_shm_op
+    try:
+        ds_internals.skip_shm_comm_op()
+        assert ds_torch.build_shm_op() is None
+    finally:
+        ds_torch.build_shm_op = before
