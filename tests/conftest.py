@@ -7,12 +7,15 @@ configs in one process group; the tests read what they left behind.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,14 +32,35 @@ GPT2_RANKS = GPT2_DIR / "gpt2.tiktoken"
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Any]) -> Any:
+    """`build(dir)` (a value JSON keeps) once for the whole run, whichever xdist worker asks first:
+    it builds under a lock in the run's temp dir, above each worker's own; the others wait for it and
+    read what it left. Alone (no xdist), in this session's temp dir. The value's files are read, not
+    changed, by the tests that share them."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return build(tmp_path_factory.mktemp(name))
+    root = tmp_path_factory.getbasetemp().parent  # pytest-N: this run's, the workers' popen-gwK below
+    done = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also on an error
+        if not done.exists():
+            where = root / name
+            where.mkdir(exist_ok=True)
+            done.write_text(json.dumps(build(where)))
+        return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def char_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tiny-shakespeare prepared char-level once per session (90/10 split, vocab 65)."""
+    """tiny-shakespeare prepared char-level once per run (90/10 split, vocab 65)."""
     from pretrain.config.tree import DataConfig
     from pretrain.data.prepare import prepare
 
-    out = tmp_path_factory.mktemp("data") / "tinyshakespeare-char"
-    return prepare(DataConfig(corpus=str(TINY_SHAKESPEARE), tokenizer="char", dataset_dir=str(out)))
+    def build(where: Path) -> str:
+        out = where / "tinyshakespeare-char"
+        return str(prepare(DataConfig(corpus=str(TINY_SHAKESPEARE), tokenizer="char", dataset_dir=str(out))))
+
+    return Path(built_once(tmp_path_factory, "data", build))
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -45,6 +69,33 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in launcher}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env
+
+
+# ---------------------------------------------------------------------------------------------
+# The suite runs on two pytest-xdist workers, a file at a time each (pyproject.toml: -n 2 --dist
+# loadfile): a file's module fixtures are built once, and its tests never race each other for a port.
+# The files that take longest go first (their time measured on 2 cores, docs/testing.md), so that
+# both workers end together; those that mostly wait (on a hung rank's timeout, on sshd and Slurm
+# in namespaces, on a supervisor's restarts) alternate with those that compute, so that one worker's
+# wait is the other's time. xdist keeps this order (--no-loadscope-reorder; by default it would
+# hand out the files with the most tests first).
+
+SLOW_FIRST = [  # the rest take a few seconds each, and fill the gaps at the end
+    "test_multinode.py", "test_safety.py", "test_watchdog.py", "test_compile.py", "test_supervisor.py",
+    "test_parallel.py", "test_cli.py", "test_precision.py", "test_launch.py", "test_checkpoint.py",
+    "test_init_from.py", "test_fuzz.py", "test_data_faults.py", "test_ds_corpus.py", "test_export.py",
+    "test_budgets.py", "test_distributed.py", "test_metrics.py", "test_start_memory.py",
+    "test_launch_check.py", "test_fuzz_commands.py", "test_plan_memory.py", "test_gpu_check_script.py",
+    "test_data_cli.py", "test_hf.py", "test_plan.py", "test_generate.py", "test_ranks.py",
+]  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def weight(item: pytest.Item) -> int:
+        name = item.path.name
+        return SLOW_FIRST.index(name) if name in SLOW_FIRST else len(SLOW_FIRST)
+
+    items.sort(key=weight)  # stable: the order within a file, and among the others, is kept
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,8 +164,18 @@ SUPERVISED = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.blo
 @pytest.fixture(scope="session")
 def two_ranks(char_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     """One 2-rank job: uninterrupted and interrupted+resumed runs at ZeRO-2 and ZeRO-3 (with dropout,
-    so the RNG states matter), the sources of the world-size change, and NaN injection."""
-    out = tmp_path_factory.mktemp("ckpt2")
+    so the RNG states matter), the sources of the world-size change, and NaN injection. Once per run:
+    the tests read its checkpoints; test_checkpoint.py alone writes, the universal conversions of the
+    ws_* runs, which no other file reads."""
+
+    def build(out: Path) -> dict:
+        return {**torchrun(2, 29541, char_dataset, out, _two_rank_jobs()), "_out": str(out)}
+
+    res = built_once(tmp_path_factory, "ckpt2", build)
+    return res, Path(res["_out"])
+
+
+def _two_rank_jobs() -> list[dict]:
     stop = {"PRETRAIN_FAULT_SIGTERM": "1:4"}  # rank 1 only; the run saves after step 5 and stops
     jobs = [
         {"name": "z0_full", "run": "z0_full", "overrides": ["zero.stage=0", *DROPOUT]},
@@ -143,7 +204,7 @@ def two_ranks(char_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> t
         ),
         {"name": "sup_ref", "run": "sup_ref", "overrides": SUPERVISED},  # test_kill_9_...'s reference
     ]
-    return torchrun(2, 29541, char_dataset, out, jobs), out
+    return jobs
 
 
 def ckpt(out: Path, run: str, step: int) -> Path:
@@ -153,11 +214,15 @@ def ckpt(out: Path, run: str, step: int) -> Path:
 @pytest.fixture(scope="session")
 def exported(two_ranks, tmp_path_factory) -> Path:
     _, out = two_ranks
-    dest = tmp_path_factory.mktemp("export") / "z3"
-    done = cli("export", str(out / "z3_full"), "--out", str(dest))  # a run dir: its newest checkpoint
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "step 8" in done.stdout
-    return dest
+
+    def build(where: Path) -> str:
+        dest = where / "z3"
+        done = cli("export", str(out / "z3_full"), "--out", str(dest))  # a run dir: its newest checkpoint
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "step 8" in done.stdout
+        return str(dest)
+
+    return Path(built_once(tmp_path_factory, "export", build))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,8 +25,8 @@ def run_rank(config_for: Callable[[int], RunConfig], resume: str | None) -> int:
     dist = ranks.launch_env()
     cfg = config_for(dist.world_size)
     ranks.init_distributed(dist, timeout_s=cfg.launch.collective_timeout_s)
-    prepare_on_rank_0(dist, data=cfg.data)
     try:
+        prepare_on_rank_0(dist, data=cfg.data)
         result = train(cfg, dist, resume=resume_spec(resume, cfg))
     except PretrainError:
         # Every rank raises it alike; tear the groups down here, or gloo's threads abort at exit.
