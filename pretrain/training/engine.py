@@ -194,7 +194,7 @@ def _lean_step(engine: Any, cfg: RunConfig, layout: Layout) -> None:
         # One data-parallel rank: DeepSpeed would still flatten every gradient into a bucket,
         # all-reduce it over the single rank and copy it back, each micro step. Nothing to reduce.
         engine.enable_backward_allreduce = False
-    if clips_itself(cfg):
+    if clips_itself(cfg, layout):
         turn_off_engine_clipping(engine)  # train_step clips, see clips_itself
     if layout.zero_stage == 0 and cfg.precision.name == "fp32":
         # After each step DeepSpeed's `zero_grad` here walks `module.named_parameters()` (the whole
@@ -221,12 +221,11 @@ def _compile(engine: Any, c: CompileConfig) -> None:
     engine.compile(backend=c.backend, compile_kwargs=kwargs)
 
 
-def clips_itself(cfg: RunConfig) -> bool:
+def clips_itself(cfg: RunConfig, layout: Layout) -> bool:
     """Whether the loop clips the gradients instead of DeepSpeed: at stage 0 in fp32, where DeepSpeed
     would take a norm per parameter in Python, all_reduce the global norm every rank already holds
     (a host round trip each step) and scale each gradient. `torch.nn.utils.clip_grad_norm_` does the
     same arithmetic in one foreach pass and hands back the norm for the logs. The rendered JSON keeps
     `gradient_clipping`; only this engine's copy is turned off."""
-    layout = layout_of(cfg)
     single = layout.model_parallel == 1  # a sharded parameter's norm needs its peers' shards
     return single and layout.zero_stage == 0 and cfg.precision.name == "fp32" and cfg.optimizer.grad_clip > 0

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from pretrain.cluster.hardware import cpu_native_bf16, device_peak_tflops
-from pretrain.config.layout import layout_of
 from pretrain.config.tree import RunConfig, analytic_flops_per_token
 from pretrain.data.dataset import TOKENIZER_FILE
 from pretrain.errors import CheckpointError
@@ -263,13 +262,13 @@ def train_step(
             verdict = start_agreement(step_loss, signum, run.ctrl, out_of_time)
         engine.backward(loss)
         if engine.is_gradient_accumulation_boundary():
-            if ds_engine.clips_itself(cfg):
+            if ds_engine.clips_itself(cfg, run.layout):
                 # Stage 0 in fp32: one foreach pass clips the (already reduced) gradients and gives
                 # the norm, with no all_reduce of a norm every rank already has (DeepSpeed's way).
                 grad_norm = torch.nn.utils.clip_grad_norm_(run.params, cfg.optimizer.grad_clip, foreach=True)
-            elif want_grad_norm and layout_of(cfg).zero_stage == 0:
+            elif want_grad_norm and run.layout.zero_stage == 0:
                 grad_norm = _grad_norm(
-                    engine.module, tensor=layout_of(cfg).tensor_parallel
+                    engine.module, tensor=run.layout.tensor_parallel
                 )  # DeepSpeed reports none
         timer.phase("optimizer")
         engine.step()
@@ -559,7 +558,7 @@ def _on_bad_step(run: Run, progress: Progress, sentinel: Sentinel, *, batch_star
     checkpoint.max_bad_steps in a row or an applied update, roll back to the newest checkpoint and
     skip the batches that led there. Returns True if it rolled back."""
     sentinel.expect("the retry after a non-finite loss (or its rollback)", progress.step)
-    cfg, dist, policy = run.cfg, run.dist, run.cfg.checkpoint
+    dist, policy = run.dist, run.cfg.checkpoint
     progress.bad_streak.append(batch_start)
     applied = run.engine.was_step_applied()  # stage 0 in fp32 applies even a NaN update
     if not applied and len(progress.bad_streak) < policy.max_bad_steps:
@@ -577,7 +576,7 @@ def _on_bad_step(run: Run, progress: Progress, sentinel: Sentinel, *, batch_star
     target = find_checkpoint(
         run.ckpt_dir,
         "auto",
-        layout=layout_of(cfg, dist.world_size),
+        layout=run.layout,
         checksums=policy.checksums,
         group=run.ctrl,
     )

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
-from pretrain.config.layout import layout_of
+from pretrain.config.layout import Layout, layout_of
 from pretrain.config.tree import ModelConfig, RunConfig, analytic_num_params
 from pretrain.data.dataset import TOKENIZER_FILE, Dataset, open_datasets, resolve_vocab
 from pretrain.data.loader import ShardedLoader
@@ -42,6 +42,7 @@ class Run:
     ckpt_dir: Path
     ctrl: Any  # the gloo group ranks agree through
     resume_from: Checkpoint | None
+    layout: Layout  # tensor x pipeline x data and ZeRO, resolved once for the world size
     params: list[torch.nn.Parameter] = field(default_factory=list)  # the module's, listed once for clipping
 
     @property
@@ -50,7 +51,7 @@ class Run:
 
     @property
     def pipelined(self) -> bool:
-        return layout_of(self.cfg).pipelined
+        return self.layout.pipelined
 
 
 def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
@@ -101,7 +102,8 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
     engine = ds_engine.initialize(cfg, model, ds_config)
     # The ranks of one tensor-parallel group, and of one pipeline, read the same batches: the
     # data-parallel group's, which is DeepSpeed's (checked against the engine's groups).
-    dp_rank, dp_size = ds_engine.data_parallel_rank(layout_of(cfg), dist.rank, engine)
+    layout = layout_of(cfg, dist.world_size)
+    dp_rank, dp_size = ds_engine.data_parallel_rank(layout, dist.rank, engine)
     # Weights come from one seed on every rank; what is random in training (dropout) must differ
     # between data-parallel ranks, or each would drop the same units, and agree within a tensor-
     # parallel group, whose ranks hold the same activations between their sharded layers. A resume
@@ -119,6 +121,7 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
         ckpt_dir,
         ctrl,
         resume_from,
+        layout,
         list(engine.module.parameters()),  # walking the module for them costs ~0.4 ms a step
     )
     dist.log(_banner(run))
@@ -208,7 +211,7 @@ def _loader(
 
 
 def _banner(run: Run) -> str:
-    cfg, b, world, lay = run.cfg, run.cfg.batch, run.dist.world_size, layout_of(run.cfg)
+    cfg, b, world, lay = run.cfg, run.cfg.batch, run.dist.world_size, run.layout
     layout = (
         f"tensor {lay.tensor} x pipeline {lay.pipeline} x data {lay.data} = "
         if lay.model_parallel > 1
