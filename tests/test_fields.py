@@ -61,7 +61,7 @@ def test_every_field_is_listed_with_its_description():
         ("zero.stage", "(0 | 1 | 2 | 3, default 0)"),
         ("optimizer.betas", "each >= 0.0, < 1.0, default [0.9, 0.95]"),
         ("model.vocab_size", "(int | None, >= 2, <= 1_048_576, default None)"),
-        ("data.blend[].weight", "(float, > 0.0, default required)"),
+        ("data.blend[].weight", "(float | list[tuple[float, float]], default required)"),
         ("logging.progress_bar", "(bool | auto, default auto)"),
     ],
 )

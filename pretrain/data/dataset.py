@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pretrain.config.mix import Weight
 from pretrain.config.tree import DataConfig, RunConfig
 from pretrain.data.shards import ShardInfo, dtype_for_vocab, read_header
 from pretrain.data.tokenizer import GPT2_VOCAB_SIZE, Tokenizer
@@ -166,11 +167,12 @@ def shard_paths(dataset_dir: str | Path, split: str) -> list[Path]:
 
 @dataclass(frozen=True)
 class Dataset:
-    """A prepared dataset as a run uses it: its directory, manifest and blend weight."""
+    """A prepared dataset as a run uses it: its directory, manifest and blend weight (fixed, or a
+    schedule of (tokens, weight) points: config/mix.py)."""
 
     dir: Path
     manifest: dict[str, Any]
-    weight: float = 1.0
+    weight: Weight = 1.0
 
     def shard_paths(self, split: str) -> list[Path]:
         return [self.dir / e["path"] for e in self.manifest[split]]
@@ -187,7 +189,7 @@ def dataset_dirs(cfg: DataConfig) -> list[Path]:
 def open_datasets(cfg: DataConfig) -> list[Dataset]:
     """The datasets a run trains on (data.blend, or the one prepared from data.corpus), each
     checked against this config's tokenizer and against its own shards' headers."""
-    weights = [b.weight for b in cfg.blend] or [1.0]
+    weights: list[Weight] = [b.weight for b in cfg.blend] or [1.0]
     dirs = dataset_dirs(cfg)
     locked = [d for d in dirs if _lock_for_reading(d)]  # until this process exits: no prepare swaps them
     try:
@@ -268,7 +270,7 @@ def too_small_vocab(
 
 def datasets_sha256(datasets: list[Dataset]) -> str:
     """What a run trains on: every dataset's tokenizer, its shards (name, counts, sha256) and its
-    blend weight, from the manifest the run opened. Not the manifest's bytes: a dataset rebuilt
+    blend weight or schedule (a fixed weight hashes as it always has), from the manifest the run opened. Not the manifest's bytes: a dataset rebuilt
     byte for byte (a deleted shard) has other timings in its report, and the same tokens."""
     h = hashlib.sha256()
     for d in datasets:

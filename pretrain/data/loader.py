@@ -11,7 +11,11 @@ The order is one endless stream of samples, a pure function of (seed, position):
 - a blend of datasets with weights: the stream is cut into blocks of 65536 positions, each
   holding every dataset's share (weights × 65536, rounded) in a shuffled arrangement of its own,
   and dataset d's k-th position takes its k-th sample as above. Exact shares, and still a pure
-  function of the position.
+  function of the position;
+- a scheduled mix (config/mix.py): block b's shares are the weights at its first token
+  (b x 65536 x block_size), so they vary block by block. Dataset d's positions before block b are
+  then a running sum over the blocks, summed a chunk of blocks at a time and cached (O(blocks), and
+  constant per block once the last point of the schedule is passed).
 
 Global batches are consecutive runs of micro_batch_size × grad_accum × world_size positions (one
 optimizer step). Rank r takes the r-th contiguous slice of each and yields it as grad_accum
@@ -39,10 +43,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from pretrain.config.mix import (
+    BLEND_BLOCK,
+    Weight,
+    blend_problems,
+    is_scheduled,
+    read_weight,
+    weight_problems,
+)
 from pretrain.data.shards import open_shard
 from pretrain.errors import DataError
 
-BLOCK = 1 << 16  # positions per blend block and per cached permutation block
+BLOCK = BLEND_BLOCK  # positions per blend block and per cached permutation block
+_CHUNK = 4096  # blend blocks whose shares a scheduled mix sums at once
 _ROUNDS = 6
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -138,13 +151,95 @@ def _dataset_groups(shard_paths: Sequence[str | Path] | Sequence[Sequence[str | 
     )
 
 
-def _blend_weights(weights: Sequence[float] | None, groups: list[list[Path]]) -> list[float]:
-    out = [1.0] * len(groups) if weights is None else [float(w) for w in weights]
-    if len(out) != len(groups) or any(not w > 0 for w in out):
-        raise ValueError(f"need one positive weight per dataset ({len(groups)}), got {out}")
+def _blend_weights(weights: Sequence[Weight] | None, groups: list[list[Path]]) -> list[Weight]:
+    """One weight per dataset, fixed (a float) or a schedule (a list of (tokens, weight) points)."""
+    out: list[Weight] = [1.0] * len(groups) if weights is None else [read_weight(w) for w in weights]
+    problems = [p for w in out for p in weight_problems(w)] or blend_problems(out)
+    if len(out) != len(groups) or problems:
+        raise ValueError(f"need one weight per dataset ({len(groups)}), got {out}: {', '.join(problems)}")
     if any(not g for g in groups):
         raise DataError("a blended dataset has no shards")
     return out
+
+
+def _apportion(weights: Sequence[float]) -> np.ndarray:
+    """Each dataset's positions in a blend block: weights x BLOCK, largest remainders rounded up."""
+    w = np.asarray(weights, dtype=np.float64) / sum(weights)
+    exact = w * BLOCK
+    shares = np.floor(exact).astype(np.int64)
+    for d in np.argsort(-(exact - shares), kind="stable")[: BLOCK - int(shares.sum())]:
+        shares[d] += 1
+    if (shares == 0).any():
+        raise ValueError(f"blend weights {list(weights)}: each share must be at least 1/{BLOCK}")
+    return shares
+
+
+class _Mix:
+    """Each dataset's positions in blend block b (`shares(b)`) and in all the blocks before it
+    (`before(b)`): the same in every block for fixed weights, else the schedule at each block's
+    first token, apportioned by largest remainders as `_apportion` does. Thread-safe: the
+    prefetching thread and the caller's (state_dict) both ask."""
+
+    def __init__(self, weights: list[Weight], block_size: int) -> None:
+        self.scheduled = is_scheduled(weights)
+        if not self.scheduled:
+            self._fixed = _apportion([float(w) for w in weights if not isinstance(w, list)])
+            return
+        self.tokens_per_block = BLOCK * block_size
+        points = [w if isinstance(w, list) else [(0.0, float(w))] for w in weights]
+        self._ts = [np.array([t for t, _ in p]) for p in points]
+        self._ws = [np.array([w for _, w in p]) for p in points]
+        last = max(float(ts[-1]) for ts in self._ts)
+        self.flat_from = -(-int(last) // self.tokens_per_block)  # from this block on, one mix
+        self._totals = [np.zeros(len(weights), dtype=np.int64)]  # before block c x _CHUNK, c = 0, 1, ...
+        self._chunks = _Cache(4)
+        self._lock = threading.Lock()
+
+    def block_shares(self, blocks: np.ndarray) -> np.ndarray:
+        """(len(blocks), datasets): each dataset's positions in each of these blend blocks."""
+        t = np.minimum(blocks, self.flat_from).astype(np.float64) * self.tokens_per_block
+        w = np.stack([_interp(ts, ws, t) for ts, ws in zip(self._ts, self._ws, strict=True)], axis=1)
+        exact = w / w.sum(axis=1, keepdims=True) * BLOCK
+        shares = np.floor(exact).astype(np.int64)
+        # largest remainders first, a dataset of weight 0 never (its share stays 0)
+        remainder = np.where(w > 0, exact - shares, -1.0)
+        rank = np.argsort(np.argsort(-remainder, axis=1, kind="stable"), axis=1, kind="stable")
+        shares += rank < (BLOCK - shares.sum(axis=1))[:, None]
+        return shares
+
+    def shares(self, b: int) -> np.ndarray:
+        return self._fixed if not self.scheduled else self.block_shares(np.array([b]))[0]
+
+    def before(self, b: int) -> np.ndarray:
+        """Each dataset's positions in blocks 0 .. b - 1."""
+        if not self.scheduled:
+            return b * self._fixed
+        if b > self.flat_from:  # every block from flat_from on has the same shares
+            return self.before(self.flat_from) + (b - self.flat_from) * self.shares(self.flat_from)
+        c, r = divmod(b, _CHUNK)
+        with self._lock:
+            while len(self._totals) <= c:
+                self._totals.append(self._totals[-1] + self._chunk(len(self._totals) - 1)[-1])
+            return self._totals[c] + self._chunk(c)[r]
+
+    def _chunk(self, c: int) -> np.ndarray:
+        """(_CHUNK + 1, datasets): the running count within chunk c, from 0 before its first block."""
+
+        def make() -> np.ndarray:
+            shares = self.block_shares(np.arange(c * _CHUNK, (c + 1) * _CHUNK))
+            return np.concatenate([np.zeros((1, shares.shape[1]), dtype=np.int64), np.cumsum(shares, axis=0)])
+
+        return self._chunks.get((c,), make)
+
+
+def _interp(ts: np.ndarray, ws: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """config.mix.weight_at at every t, vectorized: the same arithmetic, so the same floats."""
+    i = np.searchsorted(ts, t, side="right")
+    lo, hi = np.clip(i - 1, 0, len(ts) - 1), np.clip(i, 0, len(ts) - 1)
+    t0, t1, w0, w1 = ts[lo], ts[hi], ws[lo], ws[hi]
+    inside = (i > 0) & (i < len(ts))
+    span = np.where(inside, t1 - t0, 1.0)
+    return np.where(inside, w0 + (w1 - w0) * ((t - t0) / span), np.where(i == 0, ws[0], ws[-1]))
 
 
 def _check_shards(paths: list[Path], shards: Sequence[np.ndarray], block_size: int) -> None:
@@ -174,13 +269,14 @@ class ShardedLoader:
         seed: int,
         shuffle: bool = True,
         verify: bool = True,
-        weights: Sequence[float] | None = None,
+        weights: Sequence[Weight] | None = None,
         prefetch: int = 0,
         pin_memory: bool | None = None,
         vocab_size: int | None = None,
     ) -> None:
         """shard_paths: one dataset's shards, or one list of shards per blended dataset (then
-        `weights` gives each one's share of the samples). With `vocab_size`, every batch is checked
+        `weights` gives each one's share of the samples: a number, or a schedule of (tokens, weight)
+        points as config/mix.py reads them). With `vocab_size`, every batch is checked
         to hold only token ids below it (unverified or foreign shards; a bad id would otherwise
         crash the embedding, or on a GPU assert in its kernel)."""
         _check_layout(
@@ -213,7 +309,8 @@ class ShardedLoader:
                 f"{self.paths[0]}{' …' if len(self.paths) > 1 else ''}: {self.n_samples} samples of "
                 f"{block_size + 1} tokens, fewer than one global batch of {self.global_batch_size}"
             )
-        self._shares = self._apportion(self.weights) if len(groups) > 1 else np.array([BLOCK])
+        self._mix = _Mix(self.weights if len(groups) > 1 else [1.0], block_size)
+        self.n_datasets = len(groups)
 
         self._cursor = _Cursor(0, 0)  # what the caller has taken
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
@@ -238,27 +335,17 @@ class ShardedLoader:
     # -----------------------------------------------------------------------------------------
     # The order: stream positions -> samples
 
-    @staticmethod
-    def _apportion(weights: list[float]) -> np.ndarray:
-        """Each dataset's positions in a blend block: weights × BLOCK, largest remainders rounded up."""
-        w = np.asarray(weights, dtype=np.float64) / sum(weights)
-        exact = w * BLOCK
-        shares = np.floor(exact).astype(np.int64)
-        for d in np.argsort(-(exact - shares), kind="stable")[: BLOCK - int(shares.sum())]:
-            shares[d] += 1
-        if (shares == 0).any():
-            raise ValueError(f"blend weights {weights}: each share must be at least 1/{BLOCK}")
-        return shares
-
-    def _blend_block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """(dataset, rank among that dataset's positions) of each position of blend block b."""
-        arrangement = np.repeat(np.arange(len(self._shares)), self._shares)
+    def _blend_block(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(dataset, rank among that dataset's positions) of each position of blend block b, and
+        each dataset's positions before the block."""
+        shares = self._mix.shares(b)
+        arrangement = np.repeat(np.arange(len(shares)), shares)
         arrangement = np.random.default_rng((self.seed, 0xB1E7D, b)).permutation(arrangement)
         within = np.empty(BLOCK, dtype=np.int64)
-        for d in range(len(self._shares)):
+        for d in range(len(shares)):
             at = arrangement == d
-            within[at] = np.arange(int(self._shares[d]))
-        return arrangement, within
+            within[at] = np.arange(int(shares[d]))
+        return arrangement, within, self._mix.before(b)
 
     def _dataset_samples(self, d: int, k: np.ndarray) -> np.ndarray:
         """Sample ids (within dataset d) of its k-th positions: epoch k // n, permuted by block."""
@@ -287,7 +374,7 @@ class ShardedLoader:
     def _run_ids(self, lo: int, m: int) -> np.ndarray:
         """sample_ids(arange(lo, lo + m)); for one dataset, within one epoch and permutation block
         (nearly always), a slice of the cached block."""
-        if len(self._shares) == 1:
+        if self.n_datasets == 1:
             n = self.n_samples
             epoch, pos = divmod(lo, n)
             blk = pos // BLOCK
@@ -304,7 +391,7 @@ class ShardedLoader:
     def sample_ids(self, positions: np.ndarray) -> np.ndarray:
         """Global sample ids (into the concatenated shards) at these stream positions."""
         positions = np.asarray(positions, dtype=np.int64)
-        if len(self._shares) == 1:
+        if self.n_datasets == 1:
             return self._dataset_samples(0, positions)
         out = np.empty_like(positions)
         b, o = np.divmod(positions, BLOCK)
@@ -312,9 +399,9 @@ class ShardedLoader:
         k = np.empty_like(positions)
         for blk in np.unique(b).tolist():
             at = b == blk
-            arrangement, within = self._caches[1].get((blk,), lambda blk=blk: self._blend_block(blk))
+            arrangement, within, before = self._caches[1].get((blk,), lambda blk=blk: self._blend_block(blk))
             ds[at] = arrangement[o[at]]
-            k[at] = blk * self._shares[ds[at]] + within[o[at]]
+            k[at] = before[ds[at]] + within[o[at]]
         for d in np.unique(ds).tolist():
             at = ds == d
             out[at] = self._offsets[d] + self._dataset_samples(d, k[at])
@@ -411,11 +498,17 @@ class ShardedLoader:
 
     def _taken(self, d: int, p: int) -> int:
         """How many of the first p stream positions belong to dataset d."""
-        if len(self._shares) == 1:
+        if self.n_datasets == 1:
             return p
         b, o = divmod(p, BLOCK)
-        arrangement, _ = self._blend_block(b)  # not the cache: that one is the producer's
-        return b * int(self._shares[d]) + int(np.count_nonzero(arrangement[:o] == d))
+        arrangement, _, before = self._blend_block(b)  # not the cache: that one is the producer's
+        return int(before[d]) + int(np.count_nonzero(arrangement[:o] == d))
+
+    def mix(self, position: int | None = None) -> list[float]:
+        """Each dataset's share of the blend block at `position` (default: where the loader stands):
+        the mix in force there, as realized in whole samples."""
+        b = (self.position if position is None else position) // BLOCK
+        return [int(s) / BLOCK for s in self._mix.shares(b)] if self.n_datasets > 1 else [1.0]
 
     @property
     def steps_per_epoch(self) -> int:
@@ -432,7 +525,7 @@ class ShardedLoader:
             "epoch": self.epoch,
             "seed": self.seed,
             "n_samples": list(self.n_samples_per_dataset),
-            "weights": list(self.weights),
+            "weights": _plain(self.weights),
             "block_size": self.block_size,
             "micro_batch_size": self.micro_batch_size,
             "grad_accum": self.grad_accum,
@@ -450,9 +543,12 @@ class ShardedLoader:
                 f"loader state is for {state['n_samples']} samples, these shards with block_size "
                 f"{self.block_size} give {self.n_samples_per_dataset}: another dataset or block size"
             )
-        if [float(w) for w in state["weights"]] != self.weights:
+        changed = _weights_change(state["weights"], _plain(self.weights))
+        if changed:
             raise DataError(
-                f"loader state was saved with blend weights {state['weights']}, this run has {self.weights}"
+                f"loader state was saved with other blend weights ({changed}): the order of the samples follows "
+                "the weights and their schedules, so resume with data.blend's weights as the checkpoint has them, "
+                "or start a new run"
             )
         micro = int(state["micro_in_step"])
         layout = (state.get("micro_batch_size"), state.get("grad_accum"), state.get("world_size"))
@@ -474,6 +570,31 @@ class ShardedLoader:
         for b in range(n):
             lo = b * per_batch + self.rank * self.micro_batch_size
             yield self._gather(np.arange(lo, lo + self.micro_batch_size))
+
+
+def _plain(weights: Sequence[Weight]) -> list[Any]:
+    """The weights as a checkpoint keeps them: floats, and schedules as lists of [tokens, weight]."""
+    return [w if not isinstance(w, list) else [[float(t), float(v)] for t, v in w] for w in weights]
+
+
+def _saved_weights(saved: Any) -> list[Any] | None:
+    """A loader state's weights in `_plain`'s form (None: not weights at all)."""
+    try:
+        return _plain([read_weight(w) for w in saved])
+    except (TypeError, ValueError):
+        return None
+
+
+def _weights_change(saved_weights: Any, now: list[Any]) -> str | None:
+    """How a loader state's weights differ from these (`_plain`'s form): the first dataset whose
+    weight changed, then and now; None where they are the same."""
+    saved = _saved_weights(saved_weights)
+    if saved == now:
+        return None
+    if saved is None or len(saved) != len(now):
+        return f"{saved_weights} then, {now} now"
+    d = next(i for i, (a, b) in enumerate(zip(saved, now, strict=True)) if a != b)
+    return f"data.blend[{d}]: {saved[d]} then, {now[d]} now"
 
 
 def _prefetch(

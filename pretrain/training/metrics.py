@@ -20,6 +20,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as tdist
 from tqdm import tqdm
 
+from pretrain.config.mix import BlendSource, is_scheduled, mix_names, mix_text
 from pretrain.errors import OutputError
 from pretrain.files import format_bytes, write_atomic
 
@@ -394,6 +396,7 @@ class MetricsLog:
         self.start = time.perf_counter() - elapsed_before
         self.path = run_dir / "metrics.csv"
         self.bar: Any = None
+        self._mix: str | None = None  # the data mix last said (note_mix)
         if not enabled:
             return
         quiet_writer_threads(run_dir)
@@ -434,16 +437,36 @@ class MetricsLog:
         row = {"step": step, "elapsed_s": round(elapsed, 3), **values}
         self._csv.writerow({k: _fmt(row.get(k)) for k in FIELDS})
         self._file.flush()
-        line = self._line(step, row)
+        self._say(self._line(step, row))
+        if self.monitor is not None:
+            events = [(_TAGS[k], float(v), step) for k, v in values.items() if k in _TAGS and v is not None]
+            if events:
+                self.monitor.write_events(events)  # one call: DeepSpeed's TensorBoard flushes per call
+
+    def _say(self, line: str) -> None:
+        """A line on stdout, above the bar if there is one."""
         if self.bar is not None:
             self.bar.write(line, file=self.out)
         else:
             self.out.write(line + "\n")
             self.out.flush()
-        if self.monitor is not None:
-            events = [(_TAGS[k], float(v), step) for k, v in values.items() if k in _TAGS and v is not None]
-            if events:
-                self.monitor.write_events(events)  # one call: DeepSpeed's TensorBoard flushes per call
+
+    def note_mix(self, step: int, blend: Sequence[BlendSource], shares: Sequence[float]) -> None:
+        """Say the data mix in force (`shares`, the loader's, of data.blend's datasets): at the start,
+        then a line at a log step where it differs from the last one said, to two decimals. Nothing
+        for a single dataset."""
+        if not self.enabled or len(blend) < 2:
+            return
+        text = mix_text(mix_names([b.dataset_dir for b in blend]), shares)
+        if text == self._mix:
+            return
+        if self._mix is None:
+            weights = [b.weight for b in blend]
+            how = " (scheduled in tokens seen: a line here when it changes)" if is_scheduled(weights) else ""
+            self._say(f"data mix at step {step}: {text}{how}")
+        else:
+            self._say(f"step {step}: data mix now {text}")
+        self._mix = text
 
     def log_ranks(self, step: int, rows: list[dict[str, Any]]) -> None:
         if not self.enabled:
