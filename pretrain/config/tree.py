@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_validator, model_validator
 
 from pretrain.config.batch import BatchConfig, positive_int
 from pretrain.config.ds_keys import (
@@ -34,6 +34,7 @@ from pretrain.config.engine_sections import (
     ZeroConfig,
 )
 from pretrain.config.loading import GLOBAL_BATCH
+from pretrain.config.mix import BlendSource, mixed_everywhere
 from pretrain.config.run_sections import CheckpointConfig, LaunchConfig, LoggingConfig, WatchdogConfig
 from pretrain.config.section import Section
 from pretrain.errors import ConfigError, did_you_mean
@@ -130,6 +131,12 @@ class ModelConfig(Section):
         le=0.1,
         description="The epsilon of every LayerNorm (gpt2) or RMSNorm (llama): 1e-5 as GPT-2, GPT-NeoX and "
         "Llama 2 and 3; 1e-6 as the first Llama (and transformers' LlamaConfig default).",
+    )
+    document_eot: int | None = _derived(
+        1_048_575,
+        "The end-of-text token ending each packed document: training and evaluation attend within a document "
+        "and restart positions after it. data.document_mask sets it from the dataset. None: one causal stream.",
+        ge=0,
     )
     init_from: InitFromConfig | None = Field(
         None,
@@ -308,11 +315,6 @@ class CleanConfig(Section):
         return []
 
 
-class BlendSource(Section):
-    dataset_dir: str = Field(min_length=1, description="A dataset prepared by `pretrain data prepare`.")
-    weight: float = Field(gt=0.0, description="Relative share of training samples drawn from it.")
-
-
 class DataConfig(Section):
     corpus: str = Field(
         "shakespeare",
@@ -399,7 +401,7 @@ class DataConfig(Section):
     workers: int | None = Field(
         None, ge=0, description="Worker processes of prepare; None: one per CPU core; 0: in this process."
     )
-    blend: list[BlendSource] = Field(
+    blend: Annotated[list[BlendSource], AfterValidator(mixed_everywhere)] = Field(
         default_factory=list,
         description="Train on these prepared datasets mixed by weight instead of `corpus` (same tokenizer). "
         "Validation uses all their val shards.",
@@ -411,6 +413,11 @@ class DataConfig(Section):
         True,
         description="Check every shard's sha256 when the loader opens it (reads all the data once, on the first "
         "rank of each host; the others check headers and sizes).",
+    )
+    document_mask: bool = Field(
+        False,
+        description="Attend within each packed document only, positions restarting after each end-of-text token "
+        "(gpt2 or bpe tokenizer): sets model.document_eot from the dataset. See docs/data.md, Document masks.",
     )
 
     def resolved_dir(self) -> Path:
@@ -538,6 +545,13 @@ class RunConfig(Section):
         problems += _reduce_scatter_problems(self)
         problems += _accumulation_problems(self)
         problems += _budget_problems(self)
+        if self.data.document_mask and self.data.tokenizer == "char":
+            problems.append(
+                "data.document_mask: the char tokenizer has no end-of-text token to end documents with: set "
+                "data.tokenizer=gpt2 or bpe (and prepare the data), or data.document_mask=false"
+            )
+        if self.model.document_eot is not None and not self.data.document_mask:
+            problems.append("model.document_eot is set by data.document_mask: set data.document_mask=true")
         accum = self.deepspeed_extra.get("data_types")
         if self.precision.bf16 and isinstance(accum, dict) and "grad_accum_dtype" in accum:
             problems.append(

@@ -37,9 +37,10 @@ NOT_OUTPUT_FIELDS = frozenset(
         "tokenizer_path",
         "workers",
         "chunk_bytes",
-        "blend",
+        "blend",  # the mix and its schedules: the run's (datasets_sha256 and the loader state record them)
         "prefetch",
         "verify_shards",
+        "document_mask",  # the model's attention over the same tokens
         "dataset_dir",
         "hf_streaming",
     }

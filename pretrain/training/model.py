@@ -17,6 +17,14 @@ same: `init_weights` initialises one module's own parameters from a seed of its 
 pipeline stage's layers alone and give the weights of the whole model; attention reads its head
 counts off its projection's width, so it computes with a tensor-parallel rank's share of the heads;
 and `flops_per_token` is computed from the config, which still holds when the parameters are partitioned.
+
+Packed documents (`model.document_eot`, set from the dataset by `data.document_mask`): a training
+sequence holds several documents, each ended by the end-of-text token. With it set, a forward given
+targets attends within each document only (block-causal: a token sees the earlier tokens of its own
+document, the end-of-text token belonging to the document it ends) and positions restart at 0 after
+each end-of-text token, for learned positions and RoPE alike, as Megatron's --reset-attention-mask
+--reset-position-ids. Both are derived from the token ids (`document_positions`, `document_mask`), so
+the loader passes the same batches. Sampling (no targets) is one sequence, as without it.
 """
 
 from __future__ import annotations
@@ -51,6 +59,29 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = rot.chunk(2, dim=-1)  # (B, nh, T, r/2) each
     out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return out if rest is None else torch.cat((out, rest), dim=-1)
+
+
+def document_positions(idx: Tensor, eot: int) -> Tensor:
+    """Each token's position in its document (B, T) of idx (B, T): 0 at the row's first token and at
+    every token after an end-of-text token `eot`, which ends (and belongs to) the document before it."""
+    t = torch.arange(idx.size(1), device=idx.device)  # (T,)
+    starts = F.pad(idx[:, :-1] == eot, (1, 0), value=True)  # (B, T): token t begins a document
+    first = torch.where(starts, t, 0).cummax(dim=1).values  # (B, T): where t's document begins
+    return t - first
+
+
+def document_mask(pos: Tensor, dtype: torch.dtype) -> Tensor:
+    """The additive attention mask (B, 1, T, T) of document positions `pos` (B, T): 0 where query t may
+    see key s (s in t's document and not after t: t - pos[t] <= s <= t), -inf elsewhere.
+
+    Additive in the activations' dtype and built once per forward, so every layer passes SDPA the same
+    tensor and autograd keeps one copy: a bool mask is converted to a new float tensor by each SDPA
+    call, and each layer's copy is kept for its backward."""
+    t = torch.arange(pos.size(1), device=pos.device)  # (T,)
+    start = (t - pos)[:, :, None]  # (B, T, 1): the first token of each query's document
+    allowed = (start <= t) & (t <= t[:, None])  # (B, T, T): key s in [start, t]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=pos.device).masked_fill_(~allowed, -math.inf)
+    return mask[:, None]  # (B, 1, T, T): one mask for every head
 
 
 def norm(cfg: ModelConfig) -> nn.Module:
@@ -105,8 +136,14 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor] | None, cache: KVCache | None = None, layer: int = 0
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor] | None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        documents: Tensor | None = None,
     ) -> Tensor:
+        """Attention over x (B, T, C); `documents`: `document_mask`'s (B, 1, T, T), block-causal."""
         B, T, _ = x.size()  # batch, sequence length, n_embd
         qkv = self.c_attn(x)  # (B, T, (nh + 2 nkv) hs)
         # Under tensor parallelism c_attn holds only this rank's share of the heads (q, k and v
@@ -120,7 +157,7 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             # Positions enter only here: rotating q and k makes q·k depend on their distance.
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        mask = None
+        mask = None if documents is None else documents.to(q.dtype)  # a no-op in the model's own dtype
         if cache is not None:
             past = cache.pos
             all_k, all_v = cache.update(layer, k, v)  # (B, nkv, past+T, hs)
@@ -134,7 +171,7 @@ class CausalSelfAttention(nn.Module):
             v,
             attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=k.size(2) == T,  # no cached keys: plain causal attention
+            is_causal=mask is None and k.size(2) == T,  # no cached keys, no documents: plain causal
             enable_gqa=nkv != nh,  # each k/v head serves n_head/n_kv_head queries
         )  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, nh * self.hs)  # the heads' outputs side by side
@@ -180,10 +217,11 @@ class Block(nn.Module):
         rope: tuple[Tensor, Tensor] | None = None,
         cache: KVCache | None = None,
         layer: int = 0,
+        documents: Tensor | None = None,
     ) -> Tensor:
         if self.parallel_residual:  # GPT-NeoX's: both branches read the block's input
-            return x + self.attn(self.ln_1(x), rope, cache, layer) + self.mlp(self.ln_2(x))
-        x = x + self.attn(self.ln_1(x), rope, cache, layer)
+            return x + self.attn(self.ln_1(x), rope, cache, layer, documents) + self.mlp(self.ln_2(x))
+        x = x + self.attn(self.ln_1(x), rope, cache, layer, documents)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -309,7 +347,9 @@ class GPT(HasDerivedBuffers):
         self, idx: Tensor, targets: Tensor | None = None, cache: KVCache | None = None
     ) -> tuple[Tensor, Tensor | None]:
         """Logits (and the loss, given targets) of idx (B, T). With a cache, idx is the tokens after
-        its `pos` cached ones, at positions pos..pos+T-1; their keys and values are added to it."""
+        its `pos` cached ones, at positions pos..pos+T-1; their keys and values are added to it. Given
+        targets (training, evaluation) with `document_eot` set, each packed document is attended and
+        positioned on its own (the module docstring)."""
         start = 0 if cache is None else cache.pos
         T = idx.size(1)
         if start + T > self.cfg.block_size:
@@ -318,18 +358,25 @@ class GPT(HasDerivedBuffers):
             )
         x = self.wte(idx)  # token embeddings (B, T, C)
         rope: tuple[Tensor, Tensor] | None = None
-        if self.wpe is not None:
+        eot = self.cfg.document_eot if targets is not None and cache is None else None
+        if eot is not None:
+            pos = document_positions(idx, eot)  # (B, T): each document's from 0
+        else:
             pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
-            x = x + self.wpe(pos)  # position embeddings (T, C) broadcast over the batch
+        if self.wpe is not None:
+            x = x + self.wpe(pos)  # position embeddings (T, C) broadcast over the batch, or (B, T, C)
+        elif eot is not None:
+            rope = (self.rope_cos[pos][:, None], self.rope_sin[pos][:, None])  # (B, 1, T, hs/2) each
         else:
             rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])  # (T, hs/2) each
+        documents = None if eot is None else document_mask(pos, x.dtype)  # (B, 1, T, T), for every layer
         x = self.drop(x)
         for i, block in enumerate(self.h):
             if self.cfg.activation_checkpointing and self.training:
                 # Keep only each block's input; recompute its activations during backward.
-                x = checkpoint(block, x, rope, use_reentrant=False)
+                x = checkpoint(block, x, rope, documents=documents, use_reentrant=False)
             else:
-                x = block(x, rope, cache, i)
+                x = block(x, rope, cache, i, documents)
         x = self.ln_f(x)
         if cache is not None:
             cache.pos += T

@@ -16,6 +16,14 @@ A stage's layers are built on the meta device and materialised one at a time (`G
 rank never holds its whole stage, and DeepSpeed's count of every layer's parameters (to balance the
 stages) builds nothing real.
 
+Packed documents (`model.document_eot`, model.py): the blocks of a later stage never see the token
+ids, so the first stage derives each token's position in its document from them and the activations
+travel as (hidden states, positions), the positions an integer tensor (B, T) that DeepSpeed's engine
+sends between stages beside the hidden states and sends no gradient for. Each stage builds the block-
+causal mask from the positions once, in its first block, and passes it to its next blocks as a third
+tensor, which `GPTStage.forward` drops before the activations leave the stage: a (B, 1, T, T) mask
+would cost more than the hidden states to send whenever T > n_embd.
+
 Tensor parallelism within a pipeline: DeepSpeed's AutoTP training path (`tensor_parallel` in the
 engine config) builds a 2-D data x tensor mesh of its own, which would override the pipeline
 engine's groups. So for a pipeline the same AutoTP layers are applied here, layer by layer before
@@ -41,14 +49,44 @@ from pretrain.config.tree import ModelConfig, RunConfig, required_vocab_size
 from pretrain.training import init_from
 from pretrain.training.ds_internals import set_tensor_group, stage_grid, stage_start
 from pretrain.training.init_from import Source
-from pretrain.training.model import Block, HasDerivedBuffers, cross_entropy, norm, rope_cache
+from pretrain.training.model import (
+    Block,
+    HasDerivedBuffers,
+    cross_entropy,
+    document_mask,
+    document_positions,
+    norm,
+    rope_cache,
+)
 
 TIED = "wte"  # the key of the tied embedding / head in the PipelineModule
 
+# What flows between the layers: the hidden states (B, T, C) alone, or with packed documents the hidden
+# states and each token's position in its document (B, T), and within a stage the mask (B, 1, T, T).
+Activations = Tensor | tuple[Tensor, ...]
+
+
+def hidden(inputs: Activations) -> Tensor:
+    """The hidden states of what a layer is given."""
+    return inputs[0] if isinstance(inputs, tuple) else inputs
+
+
+def stage_output(outputs: Activations) -> Activations:
+    """What a stage sends on: its last layer's outputs without the document mask, which the next stage
+    builds again from the positions (module docstring)."""
+    return outputs[:2] if isinstance(outputs, tuple) and len(outputs) == 3 else outputs
+
 
 class TokenEmbedding(nn.Embedding):
+    """The token embedding; with packed documents (B, T, C) and the token positions (B, T) it derives."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(required_vocab_size(cfg), cfg.n_embd)
+        self.document_eot = cfg.document_eot
+
+    def forward(self, idx: Tensor) -> Activations:  # type: ignore[override]
+        x = super().forward(idx)  # (B, T, C)
+        return x if self.document_eot is None else (x, document_positions(idx, self.document_eot))
 
 
 class Positions(nn.Module):
@@ -59,7 +97,11 @@ class Positions(nn.Module):
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, C)
+    def forward(self, inputs: Activations) -> Activations:  # (B, T, C), or with (B, T) positions
+        if isinstance(inputs, tuple):  # packed documents: each token's position in its document
+            x, pos = inputs
+            return (self.drop(x + self.wpe(pos) if self.wpe is not None else x), pos)
+        x = inputs
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(x.size(1), device=x.device))
         return self.drop(x)
@@ -83,9 +125,14 @@ class PipelineBlock(Block, HasDerivedBuffers):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
-        T = x.size(1)
-        return super().forward(x, (self.rope_cos[:T], self.rope_sin[:T]) if self.rope else None)
+    def forward(self, inputs: Activations) -> Activations:  # type: ignore[override]
+        if isinstance(inputs, tuple):  # packed documents: (x, positions), and the mask after a stage's first
+            x, pos = inputs[:2]
+            mask = inputs[2] if len(inputs) == 3 else document_mask(pos, x.dtype)  # (B, 1, T, T)
+            rope = (self.rope_cos[pos][:, None], self.rope_sin[pos][:, None]) if self.rope else None
+            return (super().forward(x, rope, documents=mask), pos, mask)
+        T = inputs.size(1)
+        return super().forward(inputs, (self.rope_cos[:T], self.rope_sin[:T]) if self.rope else None)
 
 
 class FinalNorm(nn.Module):
@@ -93,8 +140,8 @@ class FinalNorm(nn.Module):
         super().__init__()
         self.ln_f = norm(cfg)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.ln_f(x)
+    def forward(self, inputs: Activations) -> Tensor:
+        return self.ln_f(hidden(inputs))
 
 
 class Head(nn.Module):
@@ -218,6 +265,9 @@ def _stage_class() -> type:
                 build, self.pending_build = self.pending_build, None
                 _materialize_stage(self, build)
             return super().to(*args, **kwargs)
+
+        def forward(self, forward_input: Activations) -> Activations:
+            return stage_output(super().forward(forward_input))
 
     return GPTStage
 

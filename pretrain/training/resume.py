@@ -269,7 +269,9 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], 
         # a field newer than the checkpoint had its default then (every such default is the old model)
         saved = saved_model.get(key, type(cfg.model).model_fields[key].default)
         # init_from only starts a run: a resume takes the checkpoint's weights, wherever they came from
-        if saved != value and key not in ("dropout", "activation_checkpointing", "init_from"):
+        # document_eot (data.document_mask) changes what attends to what, not one weight: a run may
+        # turn document masks on (or off) at a resume, and is told so below
+        if saved != value and key not in ("dropout", "activation_checkpointing", "init_from", "document_eot"):
             problems.append(f"model.{key}: checkpoint has {saved!r}, this run has {value!r}")
     if ckpt.meta.get("tokenizer_fingerprint") != datasets[0].manifest["tokenizer"]["fingerprint"]:
         problems.append("the tokenizer differs from the one the checkpoint was trained with")
@@ -288,6 +290,7 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], 
         raise DataError(f"{ckpt.path}: cannot resume:\n  - " + "\n  - ".join(problems))
     if warn:
         for note in [
+            *document_mask_change(saved_model.get("document_eot"), cfg.model.document_eot),
             *schedule_changes(ckpt, cfg),
             *batch_and_seed_changes(ckpt, cfg),
             *accumulation_change(ckpt, precision=cfg.precision),
@@ -300,6 +303,17 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], 
             "order will not continue exactly",
             flush=True,
         )
+
+
+def document_mask_change(saved: int | None, now: int | None) -> list[str]:
+    """A resume that turns document masks on or off (data.document_mask): said, not refused."""
+    if saved == now:
+        return []
+    if now is None:
+        return ["data.document_mask is off at this resume: from here sequences attend across documents again"]
+    was = "on" if saved is not None else "off"
+    return [f"data.document_mask is on at this resume (it was {was}, end-of-text {saved} -> {now}): from here "
+            "tokens attend only within their document, their positions counted from its start"]  # fmt: skip
 
 
 def accumulation_change(ckpt: Checkpoint, *, precision: PrecisionConfig) -> list[str]:

@@ -19,7 +19,7 @@ from pretrain.config.tree import ModelConfig, RunConfig, analytic_num_params
 from pretrain.data.dataset import TOKENIZER_FILE, Dataset, open_datasets, resolve_vocab
 from pretrain.data.loader import ShardedLoader
 from pretrain.data.tokenizer import Tokenizer, load_tokenizer
-from pretrain.errors import CheckpointError, OutputError
+from pretrain.errors import CheckpointError, ConfigError, DataError, OutputError
 from pretrain.training import checkpoint, init_from, rundir
 from pretrain.training import engine as ds_engine
 from pretrain.training.metrics import available_monitors, start_wandb
@@ -71,6 +71,7 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
                 raise
             unusable = e  # a resume takes the checkpoint's weights: said below only if there is none
     cfg = resolve_vocab(cfg, tokenizer.vocab_size)
+    cfg = resolve_document_eot(cfg, datasets)
     ds_config = available_monitors(render_deepspeed(cfg), warn=dist.is_main)
     check_with_deepspeed(ds_config)
     run_dir = cfg.run_dir()
@@ -126,6 +127,30 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
     )
     dist.log(_banner(run))
     return run
+
+
+def resolve_document_eot(cfg: RunConfig, datasets: list[Dataset]) -> RunConfig:
+    """`cfg` with model.document_eot filled from the datasets' manifests when data.document_mask is on:
+    the end-of-text token prepare wrote after every document (a blend's datasets share one tokenizer)."""
+    if not cfg.data.document_mask:
+        return cfg
+    eots = {d.dir: d.manifest["tokenizer"].get("eot_token") for d in datasets}
+    lacking = [str(where) for where, eot in eots.items() if type(eot) is not int]
+    if lacking:
+        raise DataError(
+            f"data.document_mask: the manifest of {', '.join(lacking)} records no end-of-text token to end "
+            "documents with (prepared with the char tokenizer, or by an older pretrain): prepare it again with "
+            "data.tokenizer=gpt2 or bpe (`pretrain data prepare --force`), or set data.document_mask=false"
+        )
+    eot, given = eots[datasets[0].dir], cfg.model.document_eot
+    if given not in (None, eot):
+        raise ConfigError(
+            [
+                f"model.document_eot ({given}) is not the dataset's end-of-text token ({eot}): leave "
+                "model.document_eot unset (data.document_mask sets it)"
+            ]
+        )
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"document_eot": eot})})
 
 
 def _claim(run_dir: Path, ckpt_dir: Path, resume: bool | str | None) -> None:
