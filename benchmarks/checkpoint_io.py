@@ -1,14 +1,25 @@
-"""Checkpoint save and load: time and size, at ZeRO-2 on 2 CPU ranks, for a small model and GPT-2 124M.
+"""Checkpoint cost against DeepSpeed's own, in alternated pairs, at ZeRO-0 and ZeRO-2 on 2 CPU ranks.
 
-    .venv/bin/python benchmarks/checkpoint_io.py [--models small,gpt2-124m] [--dir /tmp/ckpt_io] [--repeats 2]
+    .venv/bin/python benchmarks/checkpoint_io.py [--models gpt2-124m] [--stages 0,2] [--pairs 3]
+        [--stall-model gpt2-350m] [--dir /tmp/pretrain_checkpoint_io]
 
-Starts itself under torchrun with 2 ranks. For each model: one training step (so that Adam's
-moments exist; short sequences, the model keeps its shape), then `checkpoint.save` (DeepSpeed's
-files on every rank, fsync and sha256 of each, the meta file, rename, `latest`), validation of the
-newest checkpoint as `--resume auto` does it (sizes and sha256, shared out over the ranks), and
-`resume.load` into the engine (weights-only). Prints the best of --repeats of each, the size
-on disk against `checkpoint.estimate_bytes` (what the start-up free-space check asks for), and the
-time `pretrain export` takes to consolidate the weights (rank 0 alone).
+Starts itself under torchrun with 2 ranks. For each model and stage, one training step (so that
+Adam's moments exist), then --pairs rounds, each timing back to back on the same engine:
+
+- DS save: `engine.save_checkpoint` with DeepSpeed's own checkpoint engine (into the page cache),
+  then the fsync of the files it wrote: the floor a durable save cannot go under;
+- save: `checkpoint.save`, synchronous (the files, their digests and fsync, the meta file, the
+  rename and `latest`);
+- DS load: `engine.load_checkpoint` of DeepSpeed's bare checkpoint;
+- verify + load: what `--resume auto` does: every file's size and digest, shared out over the
+  ranks, then the weights-only load of ours;
+- async: `checkpoint.save` in the background: the stall is the time the step waits (the snapshot
+  to host memory); then the time until it is committed.
+
+Every timing starts after `os.sync()` and a barrier. Prints the median of the pairs and the ratio
+of each pair, which cancels most of what a loaded machine adds. --stall-model also measures the
+stall of a larger model (two pairs: the first copy takes new memory, the second reuses it), of
+300M parameters or more.
 """
 
 from __future__ import annotations
@@ -16,8 +27,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,148 +44,175 @@ def launch(args: argparse.Namespace) -> int:
 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env.setdefault("DS_ACCELERATOR", "cpu")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        __file__,
-        *sys.argv[1:],
-    ]
-    return subprocess.call(cmd, env=env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    return subprocess.call([*cmd, __file__, *sys.argv[1:]], env=env)
+
+
+def _engine(name: str, stage: int, world: int):  # type: ignore[no-untyped-def]
+    from pretrain.config.ds_render import render_deepspeed
+    from pretrain.config.presets import build
+    from pretrain.training import engine as ds_engine
+
+    vocab = 50257 if name.startswith("gpt2") else 65
+    cfg = build(
+        name,
+        overrides=[f"model.vocab_size={vocab}", f"zero.stage={stage}", "precision.bf16=false",
+                   "batch.micro_batch_size=1", "batch.gradient_accumulation_steps=1", "model.dropout=0.0",
+                   "optimizer.fused_adam=false", "model.activation_checkpointing=false",
+                   "checkpoint.keep_last=1"],
+        world_size=world,
+    )  # fmt: skip
+    ds = render_deepspeed(cfg)
+    eng = ds_engine.initialize(cfg, ds_engine.build_model(cfg, ds), ds)
+    x = torch.randint(0, vocab, (1, 16))
+    _, loss = eng(x, x)
+    eng.backward(loss)
+    eng.step()
+    return cfg, eng
+
+
+def _timed(fn, group) -> float:  # type: ignore[no-untyped-def]
+    """Seconds of `fn` on the slowest rank: every rank starts together with nothing dirty."""
+    import torch.distributed as tdist
+
+    os.sync()
+    tdist.barrier(group=group)
+    t = time.perf_counter()
+    fn()
+    tdist.barrier(group=group)
+    return time.perf_counter() - t
+
+
+def _fsync_tree(path: Path, rank: int, world: int) -> None:
+    for i, f in enumerate(sorted(p for p in path.rglob("*") if p.is_file())):
+        if i % world == rank:
+            fd = os.open(f, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+def measure(name: str, stage: int, args: argparse.Namespace, dist, group) -> dict[str, list[float]]:  # type: ignore[no-untyped-def]
+    import torch.distributed as tdist
+
+    from pretrain.config.layout import Layout
+    from pretrain.training import checkpoint, resume
+
+    cfg, eng = _engine(name, stage, dist.world_size)
+    root = Path(args.dir) / f"{name}-z{stage}"
+    if dist.is_main:
+        shutil.rmtree(root, ignore_errors=True)
+    state = {
+        "step": 0, "tokens_seen": 0, "loader": {"consumed_samples": 0}, "config": cfg.model_dump(mode="json"),
+        "zero_stage": stage, "rng": checkpoint.gather_rng(group),
+    }  # fmt: skip
+    checkpoint.preflight(root / "ours", need_bytes=checkpoint.estimate_bytes(cfg), keep=1, group=group)
+    rec = checkpoint.recorder(eng)
+    saver = checkpoint.Saver(group, asynchronous=True)
+    layout = Layout(data=dist.world_size, zero_stage=stage)
+    t: dict[str, list[float]] = {k: [] for k in ("ds_save", "ds_fsync", "save", "ds_load", "verify_load",
+                                                  "stall", "async_total", "snapshot_s")}  # fmt: skip
+    bare = root / "bare"
+
+    def ds_save_then_fsync(fsync_s: list[float]) -> None:
+        eng.save_checkpoint(str(bare), tag="b", save_latest=False)
+        tdist.barrier(group=group)
+        t0 = time.perf_counter()
+        _fsync_tree(bare / "b", dist.rank, dist.world_size)
+        fsync_s.append(time.perf_counter() - t0)
+
+    def ours(step: int, wait: bool) -> None:
+        checkpoint.save(eng, root / "ours", {**state, "step": step}, step=step, policy=cfg.checkpoint,
+                        group=group, saver=saver, wait=wait)  # fmt: skip
+
+    def verify_and_load() -> None:
+        found = resume.find(root / "ours", "auto", layout=layout, checksums=True, group=group)
+        assert found is not None
+        resume.load(eng, found)
+
+    for pair in range(1, args.pairs + 1):
+        eng.checkpoint_engine = rec.inner  # DeepSpeed's own engine, as DeepSpeed uses it
+        fsync_s: list[float] = []
+        # one block: no os.sync between DeepSpeed's save and its fsync
+        floor = _timed(partial(ds_save_then_fsync, fsync_s), group)
+        t["ds_save"].append(floor - fsync_s[0])
+        t["ds_fsync"].append(fsync_s[0])
+        t["ds_load"].append(_timed(partial(eng.load_checkpoint, str(bare), tag="b"), group))
+        eng.checkpoint_engine = rec
+        t["save"].append(_timed(partial(ours, 2 * pair - 1, True), group))
+        t["verify_load"].append(_timed(verify_and_load, group))
+        rec.snapshot_seconds = 0.0
+        t["stall"].append(_timed(partial(ours, 2 * pair, False), group))
+        t["snapshot_s"].append(rec.snapshot_seconds)
+        t["async_total"].append(t["stall"][-1] + _timed(saver.wait, group))
+        if dist.is_main:
+            shutil.rmtree(bare, ignore_errors=True)
+    meta = checkpoint.read_meta(root / "ours" / checkpoint.tag_for(2 * args.pairs))
+    t["size"] = [sum(f["bytes"] for f in meta["files"].values())]
+    t["snapshot"] = [saver.snapshot_bytes]
+    if not args.keep and dist.is_main:
+        shutil.rmtree(root, ignore_errors=True)
+    return t
+
+
+def report(name: str, stage: int, t: dict[str, list[float]]) -> None:
+    med = {k: statistics.median(v) for k, v in t.items()}
+    floor = [a + b for a, b in zip(t["ds_save"], t["ds_fsync"], strict=True)]
+    save_ratio = [s / f for s, f in zip(t["save"], floor, strict=True)]
+    load_ratio = [v / d for v, d in zip(t["verify_load"], t["ds_load"], strict=True)]
+    stall_ratio = [s / w for s, w in zip(t["stall"], t["save"], strict=True)]
+    mb = med["size"] / 1e6
+    print(f"\n{name}, ZeRO-{stage}, {mb:,.0f} MB a checkpoint ({med['snapshot'] / 1e6:,.0f} MB snapshot on rank 0), "
+          f"median of {len(t['save'])} pairs:")  # fmt: skip
+    print(f"  DS save {med['ds_save']:.2f} s + fsync {med['ds_fsync']:.2f} s = floor {statistics.median(floor):.2f} s"
+          f" | save {med['save']:.2f} s: {statistics.median(save_ratio):.2f}x the floor "
+          f"(pairs {', '.join(f'{r:.2f}' for r in save_ratio)})")  # fmt: skip
+    print(f"  DS load {med['ds_load']:.2f} s | verify + load {med['verify_load']:.2f} s: "
+          f"{statistics.median(load_ratio):.2f}x (pairs {', '.join(f'{r:.2f}' for r in load_ratio)})")  # fmt: skip
+    print(f"  async: the step waits {med['stall']:.2f} s, {statistics.median(stall_ratio):.2f} of a synchronous "
+          f"save (pairs {', '.join(f'{r:.2f}' for r in stall_ratio)}), of which the copy {med['snapshot_s']:.2f} s; "
+          f"committed after {med['async_total']:.2f} s")  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> None:
     import torch.distributed as tdist
 
-    from pretrain.config.ds_render import render_deepspeed
-    from pretrain.config.layout import Layout
-    from pretrain.config.presets import build
-    from pretrain.config.tree import analytic_num_params
-    from pretrain.export import consolidated_state_dict
-    from pretrain.training import checkpoint, ranks, resume
-    from pretrain.training import engine as ds_engine
+    from pretrain.training import ranks
 
     dist = ranks.launch_env()
     ranks.init_distributed(dist)
     group = ranks.control_group()
-    root = Path(args.dir)
-    rows = []
+    results = []
     for name in args.models.split(","):
-        vocab = 50257 if name.startswith("gpt2") else 65
-        cfg = build(
-            name,
-            overrides=[f"model.vocab_size={vocab}", "zero.stage=2", "precision.bf16=false", "batch.micro_batch_size=1",
-                       "batch.gradient_accumulation_steps=1", "model.dropout=0.0", "optimizer.fused_adam=false",
-                       "model.activation_checkpointing=false", "checkpoint.keep_last=1"],
-            world_size=dist.world_size,
-        )  # fmt: skip
-        ds = render_deepspeed(cfg)
-        model = ds_engine.build_model(cfg, ds)
-        eng = ds_engine.initialize(cfg, model, ds)
-        x = torch.randint(0, vocab, (1, 16))
-        _, loss = eng(x, x)
-        eng.backward(loss)
-        eng.step()
-        ckpt_dir = root / name
-        if dist.is_main:
-            shutil.rmtree(ckpt_dir, ignore_errors=True)
-        tdist.barrier()
-        state = {
-            "step": 0,
-            "tokens_seen": 0,
-            "loader": {"consumed_samples": 0},
-            "config": cfg.model_dump(mode="json"),
-            "zero_stage": 2,
-            "rng": checkpoint.gather_rng(group),
-        }
-        need = checkpoint.estimate_bytes(cfg)
-        checkpoint.preflight(ckpt_dir, need_bytes=need, keep=1, group=group)
-        save_s, bare_s, verify_s, load_s = [], [], [], []
-        for step in range(1, args.repeats + 1):
-            # DeepSpeed's save alone (page cache, no fsync, no hashing), for comparison
-            rec = checkpoint.recorder(eng)
-            eng.checkpoint_engine = rec.inner
-            os.sync()  # each timing starts with no dirty pages of the last one to write back
-            tdist.barrier()
-            t = time.perf_counter()
-            eng.save_checkpoint(str(root / "bare"), tag=f"bare{step}", save_latest=False)
-            bare_s.append(time.perf_counter() - t)
-            eng.checkpoint_engine = rec
-            if dist.is_main:
-                shutil.rmtree(root / "bare", ignore_errors=True)
-            os.sync()
-            tdist.barrier()
-            t = time.perf_counter()
-            checkpoint.save(
-                eng, ckpt_dir, {**state, "step": step}, step=step, policy=cfg.checkpoint, group=group
-            )
-            save_s.append(time.perf_counter() - t)
-            tdist.barrier()
-            t = time.perf_counter()
-            found = resume.find(
-                ckpt_dir,
-                "auto",
-                layout=Layout(data=dist.world_size, zero_stage=2),
-                checksums=True,
-                group=group,
-            )
-            verify_s.append(time.perf_counter() - t)
-            assert found is not None and found.step == step
-            t = time.perf_counter()
-            resume.load(eng, found)
-            tdist.barrier()
-            load_s.append(time.perf_counter() - t)
-        meta = checkpoint.read_meta(ckpt_dir / checkpoint.tag_for(args.repeats))
-        size = sum(f["bytes"] for f in meta["files"].values())
-        export_s = None
-        if dist.is_main:
-            t = time.perf_counter()
-            consolidated_state_dict(ckpt_dir / checkpoint.tag_for(args.repeats))
-            export_s = time.perf_counter() - t
-        rows.append(
-            (
-                name,
-                analytic_num_params(cfg.model),
-                size,
-                need,
-                min(bare_s),
-                min(save_s),
-                min(verify_s),
-                min(load_s),
-                export_s,
-            )
-        )
-        del eng, model
-        tdist.barrier()
+        for stage in (int(s) for s in args.stages.split(",")):
+            results.append((name, stage, measure(name, stage, args, dist, group)))
+    if args.stall_model:
+        one = argparse.Namespace(
+            **{**vars(args), "pairs": 2}
+        )  # the second copies into the first one's buffers
+        results.append((args.stall_model, 2, measure(args.stall_model, 2, one, dist, group)))
     if dist.is_main:
-        print(f"\nZeRO-2, fp32, {dist.world_size} CPU ranks, {os.environ.get('OMP_NUM_THREADS')} thread(s) each, "
-              f"best of {args.repeats}; checkpoints in {root}")  # fmt: skip
-        print(f"{'model':<10} {'params':>8} {'size':>9} {'estimate':>9} {'DS save':>8} {'save':>7} {'MB/s':>6} "
-              f"{'verify':>7} {'load':>7} {'MB/s':>6} {'consolidate':>11}")  # fmt: skip
-        for name, n, size, need, bare, save, verify, load, export in rows:
-            mb = size / 1e6
-            print(f"{name:<10} {n / 1e6:>7.2f}M {mb:>7.1f}MB {need / 1e6:>7.1f}MB {bare:>7.2f}s {save:>6.2f}s "
-                  f"{mb / save:>6.0f} {verify:>6.2f}s {load:>6.2f}s {mb / load:>6.0f} {export:>10.2f}s")  # fmt: skip
+        print(f"\n{dist.world_size} CPU ranks, {os.environ.get('OMP_NUM_THREADS')} thread(s) each, fp32; "
+              f"checkpoints in {args.dir}")  # fmt: skip
+        for name, stage, t in results:
+            report(name, stage, t)
         print(
-            "DS save: engine.save_checkpoint alone (into the page cache); save: checkpoint.save, the same files\n"
-            "plus fsync + sha256 of each, the meta file, rename and `latest`; verify: sizes + sha256 of every\n"
-            "file, shared out over the ranks (what --resume auto does first); load: engine.load_checkpoint,\n"
-            "weights only; consolidate: the fp32 weights gathered from the shards (pretrain export), rank 0"
+            "\nfloor: DeepSpeed's bare save (its own checkpoint engine, zip CRC-32 included) and the fsync of its\n"
+            "files; save: ours, synchronous (no zip CRC, BLAKE3 of each file on a thread beside the next\n"
+            "file's write, fsync, meta, rename, `latest`); verify + load: every file's size and BLAKE3\n"
+            "(shared over the ranks, threads within a rank), then the weights-only load; async: the time\n"
+            "the step waits for a background save (the snapshot to host memory), against a synchronous save"
         )
     tdist.barrier()
-    if not args.keep and dist.is_main:
-        shutil.rmtree(root, ignore_errors=True)
     tdist.destroy_process_group()
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="small,gpt2-124m", help="Presets, comma-separated.")
+    ap.add_argument("--models", default="gpt2-124m", help="Presets, comma-separated.")
+    ap.add_argument("--stages", default="0,2", help="ZeRO stages, comma-separated.")
+    ap.add_argument("--pairs", type=int, default=3, help="Alternated rounds of each measurement.")
+    ap.add_argument("--stall-model", default="", help="A larger preset whose async stall is measured once.")
     ap.add_argument("--dir", default="/tmp/pretrain_checkpoint_io", help="Where the checkpoints go.")
-    ap.add_argument("--repeats", type=int, default=2, help="Saves and loads of each model; the best counts.")
     ap.add_argument("--keep", action="store_true", help="Keep the checkpoints afterwards.")
     a = ap.parse_args()
     sys.exit(launch(a) if "RANK" not in os.environ else main(a))

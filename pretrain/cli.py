@@ -353,7 +353,7 @@ def _add_checkpoint_parsers(sub: Any) -> None:
         default=1,
         help="Parallel extract/merge processes (default 1).",
     )
-    p.add_argument("--no-checksums", action="store_true", help="Check file sizes only, not sha256.")
+    p.add_argument("--no-checksums", action="store_true", help="Check file sizes only, not their digests.")
 
     p = reading_a_checkpoint(
         "export",
@@ -367,7 +367,9 @@ def _add_checkpoint_parsers(sub: Any) -> None:
     p.add_argument("--no-hf", action="store_true", help="Skip the Hugging Face directory (hf/).")
     p.add_argument("--tokenizer-path", help="Local gpt2.tiktoken, for GPT-2 BPE models trained offline.")
     p.add_argument(
-        "--no-checksums", action="store_true", help="Check the checkpoint's file sizes only, not sha256."
+        "--no-checksums",
+        action="store_true",
+        help="Check the checkpoint's file sizes only, not their digests.",
     )
 
     p = sub.add_parser("sample", help="Generate text from a checkpoint or an export.")
@@ -422,7 +424,9 @@ def _add_checkpoint_parsers(sub: Any) -> None:
     p.add_argument("--device", default="cpu", help="torch device (default cpu).")
     p.add_argument("--tokenizer-path", help="Local gpt2.tiktoken, for GPT-2 BPE models trained offline.")
     p.add_argument(
-        "--no-checksums", action="store_true", help="Check the checkpoint's file sizes only, not sha256."
+        "--no-checksums",
+        action="store_true",
+        help="Check the checkpoint's file sizes only, not their digests.",
     )
 
 

@@ -164,9 +164,9 @@ SUPERVISED = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.blo
 @pytest.fixture(scope="session")
 def two_ranks(char_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     """One 2-rank job: uninterrupted and interrupted+resumed runs at ZeRO-2 and ZeRO-3 (with dropout,
-    so the RNG states matter), the sources of the world-size change, and NaN injection. Once per run:
-    the tests read its checkpoints; test_checkpoint.py alone writes, the universal conversions of the
-    ws_* runs, which no other file reads."""
+    so the RNG states matter), the sources of the world-size change, and NaN and loss-spike injection.
+    Once per run: the tests read its checkpoints; test_checkpoint.py alone writes, the universal
+    conversions of the ws_* runs, which no other file reads."""
 
     def build(out: Path) -> dict:
         return {**torchrun(2, 29541, char_dataset, out, _two_rank_jobs()), "_out": str(out)}
@@ -180,7 +180,19 @@ def _two_rank_jobs() -> list[dict]:
     jobs = [
         {"name": "z0_full", "run": "z0_full", "overrides": ["zero.stage=0", *DROPOUT]},
         {"name": "z2_full", "run": "z2_full", "overrides": ["zero.stage=2", *DROPOUT]},
-        {"name": "z2_stop", "run": "z2_res", "overrides": ["zero.stage=2", *DROPOUT], "env": stop},
+        # a slow filesystem: the background save of step 3 is still in flight when the stop saves step 5
+        {
+            "name": "z2_stop",
+            "run": "z2_res",
+            "overrides": ["zero.stage=2", *DROPOUT],
+            "env": {**stop, "PRETRAIN_FAULT_SLOW_SAVE": "0.5"},
+        },
+        # z2_full's saves, synchronous: the same bytes as its background ones
+        {
+            "name": "z2_sync",
+            "run": "z2_sync",
+            "overrides": ["zero.stage=2", *DROPOUT, "checkpoint.async_save=false"],
+        },
         {"name": "z2_resume", "run": "z2_res", "overrides": ["zero.stage=2", *DROPOUT], "resume": "auto"},
         # ZeRO-3 logs every 3 steps: the stop after step 5 falls inside the window of step 6
         {"name": "z3_full", "run": "z3_full", "overrides": ["zero.stage=3", *DROPOUT, *LOG3]},
@@ -202,6 +214,19 @@ def _two_rank_jobs() -> list[dict]:
             }
             for stage in (0, 2, 3)
         ),
+        # nan_z2's run with loss spikes on rank 0 instead of NaNs (tests/test_spikes.py)
+        {
+            "name": "spike_z2",
+            "run": "spike_z2",
+            "overrides": [
+                "zero.stage=2",
+                "checkpoint.interval=2",
+                "checkpoint.max_bad_steps=2",
+                "checkpoint.spike_factor=3",
+                "checkpoint.spike_window=2",
+            ],
+            "env": {"PRETRAIN_FAULT_SPIKE_STEPS": "3,6,7"},
+        },
         {"name": "sup_ref", "run": "sup_ref", "overrides": SUPERVISED},  # test_kill_9_...'s reference
     ]
     return jobs

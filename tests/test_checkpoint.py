@@ -339,7 +339,7 @@ def test_resume_auto_falls_back_past_invalid_checkpoints(two_ranks, tmp_path):
     assert "step_00000008 is invalid, skipped; trying the previous one" in text
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt: 1000 bytes, expected" in text
     assert "step_00000006 is invalid, skipped; trying the previous one" in text
-    assert "mp_rank_00_model_states.pt: sha256 differs from the one recorded at save" in text
+    assert "mp_rank_00_model_states.pt: blake3 differs from the one recorded at save" in text
     # without checksums a flipped byte goes unseen: step 6 is picked
     assert (
         resume.find(

@@ -219,7 +219,7 @@ def test_damaged_checkpoints_are_one_message_naming_the_file(rope_run, tmp_path)
         one_error(
             main(*argv, "--no-checksums"), f"{model_file}: cannot read the weights", "without --no-checksums"
         )
-        one_error(main(*argv), "invalid checkpoint", "sha256 differs")
+        one_error(main(*argv), "invalid checkpoint", "blake3 differs")
     assert not (tmp_path / "x").exists()
 
     # A config this version does not accept (a newer version's field), sealed as that version would.

@@ -103,7 +103,17 @@ def test_no_import_cycle():
 # alone), the faults, the model. checkpoint.py (the format, saving) sits below resume.py (which one,
 # whether, loading) and universal.py (the conversion); the loop above everything it drives.
 TRAINING_FLOORS = [
-    {"ds_internals", "faults", "model", "schedule", "metrics", "rundir", "watchdog", "evaluate"},
+    {
+        "ds_internals",
+        "faults",
+        "model",
+        "schedule",
+        "metrics",
+        "rundir",
+        "watchdog",
+        "evaluate",
+        "checkpoint_io",
+    },
     {"ranks", "init_from", "tensor_parallel"},
     {"checkpoint", "guards", "pipeline"},
     {"engine", "resume"},

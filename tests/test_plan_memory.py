@@ -17,11 +17,13 @@ import pytest
 from pretrain.cli import main
 from pretrain.cluster.layout import stage_shares
 from pretrain.cluster.memory import (
+    GB,
     PROCESS_HOST_GB,
     after_backward_bytes,
     largest_layer_params,
     model_states,
     rank_states,
+    snapshot_bytes,
 )
 from pretrain.cluster.plan import plan_stages
 from pretrain.cluster.rates import resolve_rates
@@ -122,9 +124,8 @@ def test_the_configured_accumulation_reaches_the_plan():
 def test_llama_13b_on_two_a100_nodes_counts_the_host_from_the_start(capsys):
     text = plan(capsys, "--preset", "llama-13b", "--hostfile", str(A100X16), "--host-gb", "256")
     line = host_line(text)
-    assert line.startswith(
-        "host: a node's 8 ranks take 24.0 GB of host memory from the start, of its 256.0 GB"
-    )
+    assert line.startswith("host: a node's 8 ranks take 24.0 GB of host memory from the start, and ")
+    assert "GB more while a checkpoint is written in the background (checkpoint.async_save: " in line
     assert "its process 3.000, assumed for torch, DeepSpeed and a CUDA context" in line
     assert "the model 0, built on the GPU; offloaded states 0.000" in line
     out = json.loads(
@@ -136,6 +137,14 @@ def test_llama_13b_on_two_a100_nodes_counts_the_host_from_the_start(capsys):
         rows[(1, "none")]["host_rank_gb"] == pytest.approx(3.0) and rows[(1, "none")]["host_node_gb"] == 24.0
     )
     # offloaded, each rank's fp32 state and gradient partition join its process in host memory
+    # an asynchronous save's snapshot: the weights (bf16) and the first rank's fp32 master and moments,
+    # and the 7 other ranks' partitions of the 16 data-parallel ranks
+    snap = rows[(1, "none")]
+    dp = int(snap["layout"].rsplit("DP", 1)[1])
+    first, other = snapshot_bytes("bf16", snap["rank_params"], stage=1, world=dp)
+    assert snap["host_snapshot_gb"] == pytest.approx(first / GB)
+    assert snap["host_snapshot_node_gb"] == pytest.approx((first + 7 * other) / GB)
+    assert first == pytest.approx(2 * snap["rank_params"] + 12 * snap["rank_params"] / dp)
     off = rows[(1, "optimizer")]
     assert off["host_rank_gb"] == pytest.approx(3.0 + off["host_gb"])
     assert off["host_node_gb"] == pytest.approx(8 * off["host_rank_gb"]) and off["host_fits"] is True
@@ -145,8 +154,9 @@ def test_a_host_too_small_is_named_with_a_fix_that_fits(tmp_path, capsys):
     # 8 GPU ranks' processes alone take 24 GB: at most 4 ranks a 16 GB host, the tensor pairs kept whole
     line = host_line(plan(capsys, "--preset", "llama-13b", "--hostfile", str(A100X16), "--host-gb", "16"))
     assert line.startswith(
-        "host does not fit: a node's 8 ranks take 24.0 GB of host memory from the start, more than its 16.0 GB"
+        "host does not fit: a node's 8 ranks take 24.0 GB of host memory from the start, and "
     )
+    assert "written in the background" in line and "more than its 16.0 GB" in line
     assert line.endswith("Fix: 4 ranks a host (slots=4 in the hostfile: 4 hosts for the 16 ranks).")
     hosts = tmp_path / "hosts"
     hosts.write_text(

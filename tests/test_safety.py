@@ -143,14 +143,14 @@ def test_every_reader_verifies_and_says_what_it_skips(small_run, tmp_path):
     out = tmp_path / "export"
     done = cli("export", str(run), "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"checkpoint {newest} is invalid, skipped" in done.stderr and "sha256 differs" in done.stderr
+    assert f"checkpoint {newest} is invalid, skipped" in done.stderr and "blake3 differs" in done.stderr
     assert "(step 2," in done.stdout
     sample = cli("sample", str(run), "--max-new-tokens", "4")
     assert sample.returncode == 0 and f"checkpoint {newest} is invalid, skipped" in sample.stderr
 
     # Named directly: refused, never garbage weights.
     for argv in (["export", str(newest), "--out", str(tmp_path / "x")], ["sample", str(newest)]):
-        one_error(cli(*argv), "invalid checkpoint", "sha256 differs")
+        one_error(cli(*argv), "invalid checkpoint", "blake3 differs")
     assert not (tmp_path / "x").exists()
 
     # A `latest` of binary bytes, a path that is not there, a file.

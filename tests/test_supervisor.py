@@ -18,7 +18,8 @@ from tests.conftest import BIN, CORPUS, ROOT, SUPERVISED, cli, subprocess_env
 
 @pytest.mark.distributed
 def test_kill_9_with_supervised_restarts(char_dataset, two_ranks, tmp_path):
-    """rank 1 is killed after step 5, then rank 0 while it saves step 9: two restarts."""
+    """rank 1 is killed after step 5, then rank 0 while it saves step 9 in the background (the kill
+    comes from the thread that writes the files, after the first): two restarts."""
     from pretrain.export import consolidated_state_dict
 
     _, out = two_ranks
@@ -32,6 +33,9 @@ def test_kill_9_with_supervised_restarts(char_dataset, two_ranks, tmp_path):
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-6000:]
     assert "SIGKILL" in log and "(kill-1-5)" in log and "(kill-in-save-9)" in log
+    assert log.index(f"saving checkpoint {run}/checkpoints/step_00000009 in the background") < log.index(
+        "(kill-in-save-9)"
+    )
     assert log.count("restarting every rank from the newest checkpoint") == 2
     assert "resumed from" in log and f"{run}/checkpoints/step_00000003 at step 3" in log
     # killed while saving step 9: the next start used step 6, and the partial save is gone

@@ -227,6 +227,19 @@ def host_at_start(
     return HostAtStart(process, model, offloaded, ranks)
 
 
+def snapshot_bytes(precision: str, n_params: int, *, stage: int, world: int) -> tuple[float, float]:
+    """Host memory an asynchronous save's snapshot takes while it is written (checkpoint.async_save):
+    (the rank that writes the weights, every other rank), for a rank holding `n_params` with ZeRO
+    over `world` data-parallel ranks. The first data-parallel rank writes the module's weights in
+    their training dtype; every rank its optimizer partition (the fp32 master, where the weights are
+    16-bit, and Adam's two moments); at stage 0 the first rank writes it all."""
+    weights = bytes_per_param(precision, stage)[0] * n_params
+    state = (12 if precision in ("bf16", "fp16") else 8) * n_params
+    if stage == 0:
+        return weights + state, 0.0
+    return weights + state / world, state / world
+
+
 # ---------------------------------------------------------------------------------------------
 # A rank of a config: its share of the layout, at a ZeRO stage and offload
 
@@ -385,8 +398,12 @@ def activation_bytes(cfg: RunConfig, layout: Layout | None = None, share: StageS
     recompute = min(every, blocks) * per_layer if every else 0
     logits = s * b * vocab * (a + 4) if last else 0  # the logits and cross-entropy's fp32 softmax
     embedded = s * b * h * a if first else 0  # the embedding output
+    # data.document_mask: the block-causal mask (b, 1, s, s) in the activations' dtype, built once per
+    # micro batch (a stage's first block) and kept for backward by every layer's SDPA, with no T x T
+    # copy per layer (it is passed in the dtype SDPA computes in); the flash kernels take no mask.
+    documents = s * s * b * a if cfg.data.document_mask and blocks else 0
     count = 1 if share is None else in_flight(layout, share, batch=cfg.batch)
-    return float(count * (kept + logits + embedded) + recompute)
+    return float(count * (kept + logits + embedded + documents) + recompute)
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,14 @@ import math
 from dataclasses import dataclass
 
 from pretrain.cluster.layout import layout_variants, stage_shares
-from pretrain.cluster.memory import GB, deepspeed_estimate, host_at_start, largest_layer_params, rank_memory
+from pretrain.cluster.memory import (
+    GB,
+    deepspeed_estimate,
+    host_at_start,
+    largest_layer_params,
+    rank_memory,
+    snapshot_bytes,
+)
 from pretrain.cluster.timing import comm_bytes, pp_comm_bytes, tp_comm_bytes
 from pretrain.config.layout import layout_of
 from pretrain.config.tree import RunConfig
@@ -98,6 +105,9 @@ class StagePlan:
     host_rank_gb: float = 0.0  # process + model + the offloaded states (host_gb)
     host_node_gb: float = 0.0  # host_rank_gb x node_ranks
     node_ranks: int = 1  # the ranks of a node
+    # An asynchronous save's snapshot in host memory while it is written (checkpoint.async_save):
+    host_snapshot_gb: float = 0.0  # the first data-parallel rank's (the weights and its partition)
+    host_snapshot_node_gb: float = 0.0  # a node's (host_fits does not count it: a save can go synchronous)
 
 
 def plan_stages(
@@ -132,6 +142,12 @@ def plan_stages(
             ),
             key=lambda h: h.rank,
         )  # fmt: skip
+        # an asynchronous save's snapshot, while it is written: the first data-parallel rank's (the
+        # weights and its optimizer partition) and a node's (one such rank, the others' partitions)
+        first, other = snapshot_bytes(cfg.precision.name, r.share.params, stage=stage, world=layout.data)
+        snap_rank, snap_node = (
+            (first, first + other * (host.ranks - 1)) if cfg.checkpoint.async_save else (0, 0)
+        )
         # DeepSpeed's estimators know data parallelism only: with model parallelism, the rank's shard
         # over its data-parallel group, and no host figure
         alone = layout.tensor * layout.pipeline == 1
@@ -169,6 +185,8 @@ def plan_stages(
                 host_rank_gb=host.rank / GB,
                 host_node_gb=host.node / GB,
                 node_ranks=host.ranks,
+                host_snapshot_gb=snap_rank / GB,
+                host_snapshot_node_gb=snap_node / GB,
             )
         )
     return out

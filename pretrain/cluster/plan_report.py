@@ -23,6 +23,7 @@ from pretrain.cluster.timing import (
 from pretrain.config.ds_render import render_deepspeed
 from pretrain.config.engine_sections import ZeroConfig
 from pretrain.config.layout import Layout, layout_of
+from pretrain.config.mix import mix_names, mix_plan, mix_points
 from pretrain.config.tree import RunConfig, analytic_num_params
 
 
@@ -51,6 +52,33 @@ def render_budget(b: Budget) -> str:
         f"{limits} schedule.{b.binds} binds: the run ends at step {b.steps:,} ({b.tokens:,} tokens){hours}, "
         f"the LR schedule spanning those steps{unknown}"
     )
+
+
+def render_mix(cfg: RunConfig) -> list[str]:
+    """data.blend's mix (nothing for one dataset): fixed, or where its schedule turns."""
+    blend = cfg.data.blend
+    if len(blend) < 2:
+        return []
+    names, weights = mix_names([b.dataset_dir for b in blend]), [b.weight for b in blend]
+    run_tokens = cfg.tokens_per_step * cfg.total_steps
+    return mix_plan(names, weights, tokens_per_step=cfg.tokens_per_step, run_tokens=run_tokens)
+
+
+def _mix_json(cfg: RunConfig) -> list[dict[str, Any]] | None:
+    """render_mix's points as data: tokens, step and each dataset's share (None: one dataset)."""
+    blend = cfg.data.blend
+    if len(blend) < 2:
+        return None
+    names = mix_names([b.dataset_dir for b in blend])
+    points = mix_points([b.weight for b in blend], tokens_per_step=cfg.tokens_per_step)
+    return [
+        {
+            "tokens": int(t) if t.is_integer() else t,
+            "step": step,
+            "shares": dict(zip(names, shares, strict=True)),
+        }
+        for t, step, shares in points
+    ]
 
 
 def _this_config_step_s(cfg: RunConfig, world: int, rates: Rates | None) -> float | None:
@@ -82,6 +110,7 @@ def render_plan(cfg: RunConfig, to: Target, rates: Rates | None = None, *, searc
         f"tokens: {tbs * m.block_size:,} per step, {tbs * m.block_size * cfg.total_steps:,} in "
         f"{cfg.total_steps:,} steps",
         render_budget(plan_budget(cfg, _this_config_step_s(cfg, world, rates))),
+        *render_mix(cfg),
         f"layout: {layout} = {world} ranks (parallel.tensor x parallel.pipeline x data-parallel)",
         *render_layout(cfg, layout),
         "",
@@ -194,9 +223,19 @@ def render_host(cfg: RunConfig, to: Target, plans: list[StagePlan]) -> list[str]
         f"(memory.PROCESS_HOST_GB); {model}; offloaded states {_gb(p.host_gb)}"
     )
     need = f"a node's {p.node_ranks} ranks take {_gb(p.host_node_gb)} GB of host memory from the start"
+    if p.host_snapshot_node_gb:
+        need += (
+            f", and {_gb(p.host_snapshot_node_gb)} GB more while a checkpoint is written in the background "
+            f"(checkpoint.async_save: {_gb(p.host_snapshot_gb)} GB on the rank that writes the weights)"
+        )
     if to.host_gb is None:
         return [f"host: {need} ({parts}); the host's own is unknown: pass --host-gb."]
     if p.host_fits:
+        if p.host_node_gb + p.host_snapshot_node_gb > to.host_gb:
+            need += (
+                " (the snapshot does not fit beside it: a save then writes what does not fit synchronously, "
+                "or set checkpoint.async_save=false)"
+            )
         return [f"host: {need}, of its {_gb(to.host_gb)} GB ({parts})."]
     fixes = "; or ".join(host_fixes(cfg, to, plans, p))
     return [f"host does not fit: {need}, more than its {_gb(to.host_gb)} GB ({parts}). Fix: {fixes}."]
@@ -437,6 +476,7 @@ def plan_json(
         else [],
     }
     out["budget"] = asdict(plan_budget(cfg, _this_config_step_s(cfg, to.world, rates)))
+    out["data_mix"] = _mix_json(cfg)
     if rates is not None:
         out["rates"] = asdict(rates)
         out["step_times"] = [asdict(t) for t in step_times(cfg, to.world, rates)]

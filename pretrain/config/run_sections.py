@@ -29,17 +29,41 @@ class CheckpointConfig(Section):
     )
     checksums: bool = Field(
         True,
-        description="Record the sha256 of every checkpoint file, and verify them before resuming; "
+        description="Record the BLAKE3 digest of every checkpoint file, and verify them before resuming; "
         "off, only the file sizes are checked.",
+    )
+    async_save: bool = Field(
+        True,
+        description="Save checkpoints in the background: the step waits only for a copy of the state in "
+        "host memory, then the files are written, hashed, fsynced and committed (`latest` moved) on a "
+        "thread while training goes on, one save in flight at most. The last save of a run (its end, a "
+        "stop signal, schedule.max_hours) is synchronous, and waits for the one in flight. Off: every "
+        "save holds the step until the checkpoint is committed.",
     )
     max_bad_steps: int = Field(
         3,
         ge=1,
-        description="Steps in a row with a non-finite loss, each skipped, before the run rolls back to "
-        "its last checkpoint and moves the data past the bad batches.",
+        description="Steps in a row with a non-finite loss or a loss spike (spike_factor), each skipped, "
+        "before the run rolls back to its last checkpoint and moves the data past the bad batches.",
     )
     max_rollbacks: int = Field(
         3, ge=0, description="Rollbacks one run may make before it stops with an error."
+    )
+    spike_factor: float | None = Field(
+        None,
+        gt=1.0,
+        allow_inf_nan=False,
+        description="A step whose loss (the mean over the data-parallel ranks) exceeds this many times the "
+        "median of the last spike_window accepted steps' losses is a spike: skipped as a non-finite loss "
+        "is (max_bad_steps in a row roll back). None: off, and the step never waits for the ranks' loss "
+        "before its last backward.",
+    )
+    spike_window: int = Field(
+        50,
+        ge=1,
+        le=100_000,
+        description="Accepted steps whose median loss a spike is measured against; the rule applies once "
+        "this many are in (skipped steps and rolled-back ones never are).",
     )
 
     def due(self, step: int, max_steps: int, stop_requested: bool = False) -> bool:

@@ -41,8 +41,19 @@ from pretrain.errors import CheckpointError
 from pretrain.files import format_bytes as _size
 from pretrain.files import fsync_dir, write_atomic
 from pretrain.training import rundir
+from pretrain.training.checkpoint_io import (
+    Background,
+    FileSink,
+    describe,
+    describe_all,
+    digest_key,
+    fits_in_host,
+    snapshot,
+    tensor_bytes,
+    without_zip_crc,
+)
 from pretrain.training.faults import Faults
-from pretrain.training.ranks import barrier, gather, world_of
+from pretrain.training.ranks import barrier, control_group, gather, world_of
 
 META = "pretrain_meta.json"
 TOKENIZER = TOKENIZER_FILE  # a copy of the dataset's, so that a checkpoint samples on its own
@@ -249,13 +260,15 @@ def client_state(
     val_loss: float | None,
     skip_batches: set[int],
     loss_window: tuple[int, int, list[float]] = (0, 1, []),
+    recent_losses: list[float] | None = None,
     group: Any,
 ) -> dict[str, Any]:
     """The client state saved with the checkpoint of `step`: the `run_state` (`constant`), where
     the run is (tokens seen, hours of training over every resume, the loader's position, the
     batches it skips), the val loss evaluated at this step (None if it did not evaluate), the log
-    window it is saved in the middle of (its steps, every rank's loss sum), and every rank's
-    generators (a collective)."""
+    window it is saved in the middle of (its steps, every rank's loss sum), the spike rule's window
+    (`recent_losses`: the agreed losses of the last accepted steps, the same on every rank), and
+    every rank's generators (a collective)."""
     return {
         **constant,
         "step": step,
@@ -265,6 +278,7 @@ def client_state(
         "val_loss": val_loss,
         "skip_batches": sorted(skip_batches),
         "loss_window": dict(zip(("steps", "micro_steps", "loss_sums"), loss_window, strict=True)),
+        "recent_losses": list(recent_losses or []),
         "rng": gather_rng(group),
     }
 
@@ -274,46 +288,88 @@ def client_state(
 
 
 class _RecordingEngine:
-    """Wraps DeepSpeed's checkpoint engine. Each file this rank writes is fsynced, hashed and
+    """Wraps DeepSpeed's checkpoint engine. Each file this rank writes is written without the zip
+    CRC, then hashed and fsynced on a thread while the next is written (checkpoint_io.py), and
     recorded; a failed write (full disk) is recorded instead of raised, so that every rank still
-    reaches DeepSpeed's own barriers and all can fail together."""
+    reaches DeepSpeed's own barriers and all can fail together. While `capture` is on (an
+    asynchronous save), each state dict is snapshotted and kept, and written later by `write_all`."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.checksums = True
-        self.written: dict[str, dict[str, Any]] = {}
-        self.errors: list[str] = []
+        self.snapshot_seconds = 0.0  # the copies of asynchronous saves, for the benchmark
+        self.pool: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}
+        self.written_snapshots: list[tuple[Any, str]] = []
+        self.reset(checksums=True, capture=False)
         self.on_write: Any = None  # test hook, called after each file
+
+    def reset(self, *, checksums: bool, capture: bool) -> None:
+        self.checksums, self.capture = checksums, capture
+        # The host buffers of the last snapshot, written by now: the next one copies into them (a
+        # synchronous save in between keeps them).
+        if self.written_snapshots:
+            self.pool = {}
+            for sd, _ in self.written_snapshots:
+                for st in _storages(sd):
+                    self.pool.setdefault((st.nbytes(), st.is_pinned()), []).append(st)
+            self.written_snapshots = []
+        self.sink = FileSink(checksums)
+        self.captured: list[tuple[Any, str]] = []
+        self.direct: list[str] = []  # files of an asynchronous save written at once, for want of memory
+        self.errors: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def save(self, state_dict: Any, path: str) -> None:
+        if self.capture and fits_in_host(tensor_bytes(state_dict)):
+            t0 = time.perf_counter()
+            self.captured.append((snapshot(state_dict, self.pool), path))
+            self.snapshot_seconds += time.perf_counter() - t0
+            return
+        if self.capture:  # no room for its copy: written now, the step waits for this file
+            self.direct.append(path)
+        self.write(state_dict, path)
+
+    def write(self, state_dict: Any, path: str) -> None:
         if self.errors:
             return  # one failure is enough; don't fill the disk further
         try:
-            self.inner.save(state_dict, path)
-            self.written[path] = describe(Path(path), self.checksums, fsync=True)
+            with without_zip_crc():
+                self.inner.save(state_dict, path)
         except (OSError, RuntimeError) as e:  # torch's zip writer reports ENOSPC as a RuntimeError
             self.errors.append(f"{path}: {e}")
             return
+        self.sink.add(path)
         if self.on_write is not None:
             self.on_write(path)
 
+    def write_all(self) -> tuple[dict[str, dict[str, Any]], list[str]]:
+        """Write what was captured, then wait for every file's hash and fsync: ({path: entry},
+        [errors])."""
+        while self.captured:
+            state_dict, path = self.captured.pop(0)
+            self.write(state_dict, path)
+            self.written_snapshots.append((state_dict, path))  # its buffers serve the next snapshot
+        written, errors = self.sink.results()
+        return written, self.errors + errors
 
-def describe(path: Path, checksum: bool, fsync: bool = False) -> dict[str, Any]:
-    out: dict[str, Any] = {"bytes": path.stat().st_size}
-    if checksum or fsync:
-        h = hashlib.sha256()
-        with path.open("rb") as f:
-            if checksum:
-                while chunk := f.read(1 << 22):
-                    h.update(chunk)
-            if fsync:
-                os.fsync(f.fileno())
-        if checksum:
-            out["sha256"] = h.hexdigest()
-    return out
+
+def _storages(obj: Any) -> list[torch.UntypedStorage]:
+    """The distinct storages of the tensors in `obj`."""
+    found: dict[int, torch.UntypedStorage] = {}
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            found.setdefault(x.untyped_storage().data_ptr(), x.untyped_storage())
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list | tuple):
+            for v in x:
+                walk(v)
+
+    walk(obj)
+    return list(found.values())
 
 
 def recorder(engine: Any) -> _RecordingEngine:
@@ -321,6 +377,27 @@ def recorder(engine: Any) -> _RecordingEngine:
         engine.checkpoint_engine = _RecordingEngine(engine.checkpoint_engine)
     rec: _RecordingEngine = engine.checkpoint_engine
     return rec
+
+
+class Saver:
+    """The run's checkpoint saves, one in flight at most. With `asynchronous`, a save's files are
+    written, hashed, fsynced and committed on a thread of their own (`Background`), the collectives
+    of that thread on a gloo group of their own: the training loop goes on using its group, and two
+    threads must never share one. All ranks build it at the same point (the group is a collective)."""
+
+    def __init__(self, group: Any, *, asynchronous: bool) -> None:
+        self.background = Background() if asynchronous else None
+        self.group = control_group() if asynchronous and group is not None else group
+        self.snapshot_bytes = 0  # host memory of the last asynchronous save's snapshot, this rank
+
+    def wait(self) -> None:
+        """Return once the save in flight (if any) is committed; raise its CheckpointError."""
+        if self.background is not None:
+            self.background.wait()
+
+    @property
+    def busy(self) -> bool:
+        return self.background is not None and self.background.busy
 
 
 def save(
@@ -333,22 +410,31 @@ def save(
     group: Any,
     tokenizer_file: Path | None = None,
     faults: Faults | None = None,
+    saver: Saver | None = None,
+    wait: bool = True,
+    report: Any = None,
 ) -> str:
     """Save on every rank (DeepSpeed needs each rank's shards), commit on rank 0, prune.
 
-    Returns the tag. Raises CheckpointError on every rank if any rank failed to write; the
-    previous checkpoint then stays `latest`, and the partial one is removed."""
+    Returns the tag. Raises CheckpointError on every rank if any rank failed to write; the previous
+    checkpoint then stays `latest`, and the partial one is removed. With a `saver` and not `wait`,
+    this returns once DeepSpeed's state dicts are snapshotted to host memory: the rest happens on
+    the saver's thread, whose failure is raised by the next save or `saver.wait()`, and `report`
+    (rank 0's, if given) says when the checkpoint is committed. A save first waits for the one in
+    flight."""
     from deepspeed.checkpoint.constants import (
         UNIVERSAL_CHECKPOINT_INFO,
         UNIVERSAL_CHECKPOINT_VERSION_KEY,
         UNIVERSAL_CHECKPOINT_VERSION_VALUE,
     )
 
-    rank, world = world_of(group)
+    if saver is not None:
+        saver.wait()
+    background = saver.background if saver is not None and not wait else None
+    rank, _ = world_of(group)
     tag = tag_for(step)
-    tmp_tag = f"{TMP}{tag}"
     rec = recorder(engine)
-    rec.checksums, rec.written, rec.errors = policy.checksums, {}, []
+    rec.reset(checksums=policy.checksums, capture=background is not None)
     rec.on_write = faults.kill_in_save_hook(step, rank) if faults else None
     t0 = time.perf_counter()
     # `ds_to_universal` needs this entry to convert the checkpoint for another world size. Under
@@ -357,12 +443,53 @@ def save(
         UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE
     }
     state = {**client_state, UNIVERSAL_CHECKPOINT_INFO: info}
-    engine.save_checkpoint(str(ckpt_dir), tag=tmp_tag, client_state=state, save_latest=False)
-    written = {str(Path(p).relative_to(ckpt_dir / tmp_tag)): d for p, d in rec.written.items()}
-    reports = gather((written, rec.errors), group)
-    errors = [f"rank {r}: {e}" for r, (_, errs) in enumerate(reports) for e in errs]
-    tmp_dir = ckpt_dir / tmp_tag
-    if errors:
+    engine.save_checkpoint(str(ckpt_dir), tag=f"{TMP}{tag}", client_state=state, save_latest=False)
+    meta = {k: v for k, v in client_state.items() if k != "rng"}
+
+    def finish() -> None:
+        written, errors = rec.write_all()
+        _settle(ckpt_dir, tag, meta, written, errors, t0=t0, policy=policy, tokenizer_file=tokenizer_file,
+                group=saver.group if background is not None and saver is not None else group)  # fmt: skip
+        if background is not None and report is not None:
+            report(
+                f"saved checkpoint {ckpt_dir / tag} (written in the background, {time.perf_counter() - t0:.1f} s)"
+            )
+
+    if background is None:
+        finish()
+    else:
+        assert saver is not None
+        saver.snapshot_bytes = sum(tensor_bytes(sd) for sd, _ in rec.captured)
+        if rec.direct:  # every rank that had to says so
+            print(
+                f"rank {rank}: {len(rec.direct)} file(s) of {tag} written before the step went on: no host "
+                "memory for their copy (the host line of pretrain plan counts it)",
+                flush=True,
+            )
+        background.start(finish, name=f"save-{tag}")
+    return tag
+
+
+def _settle(
+    ckpt_dir: Path,
+    tag: str,
+    meta: dict[str, Any],
+    written: dict[str, dict[str, Any]],
+    errors: list[str],
+    *,
+    t0: float,
+    policy: CheckpointConfig,
+    tokenizer_file: Path | None,
+    group: Any,
+) -> None:
+    """Every rank, its files written: share what each wrote and what failed (one gather over
+    `group`), then rank 0 commits, or every rank raises the same CheckpointError."""
+    rank, world = world_of(group)
+    tmp_dir = ckpt_dir / f"{TMP}{tag}"
+    local = {str(Path(p).relative_to(tmp_dir)): d for p, d in written.items()}
+    reports = gather((local, errors), group)
+    all_errors = [f"rank {r}: {e}" for r, (_, errs) in enumerate(reports) for e in errs]
+    if all_errors:
         if rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)  # free what the partial save took
         barrier(group)
@@ -371,20 +498,24 @@ def save(
         free = shutil.disk_usage(ckpt_dir).free
         raise CheckpointError(
             f"saving checkpoint {tag} failed ({_size(free)} free in {ckpt_dir}); {kept}:\n  - "
-            + "\n  - ".join(errors[:8])
+            + "\n  - ".join(all_errors[:8])
         )
     if rank == 0:
         files: dict[str, dict[str, Any]] = {}
         for w, _ in reports:
             files.update(w)
-        meta = {k: v for k, v in client_state.items() if k != "rng"}
-        meta.update(format="deepspeed", format_version=FORMAT_VERSION, tag=tag, world_size=world)
+        meta = {
+            **meta,
+            "format": "deepspeed",
+            "format_version": FORMAT_VERSION,
+            "tag": tag,
+            "world_size": world,
+        }
         meta.update(
             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), save_seconds=round(time.perf_counter() - t0, 3)
         )
         _commit(ckpt_dir, tag, meta, files, policy=policy, tokenizer_file=tokenizer_file)
     barrier(group)
-    return tag
 
 
 def _commit(
@@ -582,19 +713,26 @@ def verify(path: Path, *, checksums: bool = True, rank: int = 0, world: int = 1)
     problems += meta_problems(path, meta)
     if not isinstance(files, dict) or not files:
         return [*problems, f"{META} lists no files"]
-    for i, (rel, want) in enumerate(sorted(files.items())):
-        if i % world != rank:
-            continue
-        f = path / rel
-        try:
-            got = describe(f, checksums and "sha256" in want)
-        except OSError as e:
-            problems.append(f"{rel}: {e.strerror or e}")
-            continue
-        if got["bytes"] != want.get("bytes"):
-            problems.append(f"{rel}: {got['bytes']} bytes, expected {want.get('bytes')}")
-        elif "sha256" in got and got["sha256"] != want["sha256"]:
-            problems.append(f"{rel}: sha256 differs from the one recorded at save")
+    mine = [(rel, want) for i, (rel, want) in enumerate(sorted(files.items())) if i % world == rank]
+    return problems + _file_problems(path, mine, checksums)
+
+
+def _file_problems(path: Path, listed: list[tuple[str, Any]], checksums: bool) -> list[str]:
+    """Each listed file against its manifest entry: its size and (with `checksums`) its digest, the
+    files hashed on threads (as many cores as there are threads)."""
+    algos = [digest_key(want) if isinstance(want, dict) else None for _, want in listed]
+    got_all = describe_all(
+        [path / rel for rel, _ in listed], checksums and any(algos), algos=[a or "blake3" for a in algos]
+    )
+    problems = []
+    for (rel, want), algo, got in zip(listed, algos, got_all, strict=True):
+        if isinstance(got, OSError):
+            problems.append(f"{rel}: {got.strerror or got}")
+        elif not isinstance(want, dict) or got["bytes"] != want.get("bytes"):
+            expected = want.get("bytes") if isinstance(want, dict) else want
+            problems.append(f"{rel}: {got['bytes']} bytes, expected {expected}")
+        elif checksums and algo is not None and got.get(algo) != want[algo]:
+            problems.append(f"{rel}: {algo} differs from the one recorded at save")
     return problems
 
 

@@ -2,7 +2,7 @@
 
 `train()` reads top to bottom in paper order; `setup()` (run.py) does everything before the first step,
 `train_step()` is one optimizer step's micro-steps, `_on_bad_step()` skips or rolls back after a
-non-finite loss.
+non-finite loss or a loss spike.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pretrain.training import checkpoint
 from pretrain.training import engine as ds_engine
 from pretrain.training.evaluate import evaluate, sample
 from pretrain.training.faults import Faults
-from pretrain.training.guards import Agreement, Sentinel, start_agreement
+from pretrain.training.guards import Agreement, Sentinel, SpikeRule, start_agreement
 from pretrain.training.metrics import (
     MetricsLog,
     PhaseTimer,
@@ -47,7 +47,7 @@ class TrainResult:
     val_loss: float | None
     sample: str | None
     optimizer: str  # class of the optimizer DeepSpeed built (e.g. DeepSpeedCPUAdam under offload)
-    skipped_steps: list[int] = field(default_factory=list)  # steps retried after a non-finite loss
+    skipped_steps: list[int] = field(default_factory=list)  # steps retried after a non-finite loss or spike
     rollbacks: list[int] = field(default_factory=list)  # the step each rollback went back to
     stopped_by: str | None = None  # the signal that stopped the run early (after a checkpoint)
     ended_by: str = "max_steps"  # what ended it: max_steps, max_tokens, max_hours, or the signal
@@ -61,17 +61,20 @@ class Progress:
     tokens_seen: int = 0
     elapsed_hours: float = 0.0  # hours of training up to the checkpoint restored (see Clock)
     skip_batches: set[int] = field(default_factory=set)  # batch starts that made the run roll back
-    bad_streak: list[int] = field(default_factory=list)  # batch starts of the non-finite steps in a row
+    bad_streak: list[int] = field(default_factory=list)  # batch starts of the bad steps in a row
     skipped_steps: list[int] = field(default_factory=list)
     rollbacks: list[int] = field(default_factory=list)
     # The log window a checkpoint was saved in the middle of: its steps, the micro-steps of each, and
     # every rank's loss sum over them.
     loss_window: tuple[int, int, list[float]] = (0, 1, [])
+    # checkpoint.spike_factor's rule and the accepted steps' losses it judges by (saved, restored)
+    spikes: SpikeRule = field(default_factory=lambda: SpikeRule(None, 1))
 
-    def advance(self, tokens: int) -> int:
-        """One more step done, on `tokens` tokens (it ends a streak of non-finite steps); returns the
-        steps done."""
+    def advance(self, tokens: int, loss: float | None = None) -> int:
+        """One more step done, on `tokens` tokens, of agreed mean `loss` (None: the spike rule is
+        off); it ends a streak of bad steps. Returns the steps done."""
         self.bad_streak.clear()
+        self.spikes.accept(loss)
         self.step += 1
         self.tokens_seen += tokens
         return self.step
@@ -139,6 +142,7 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
     end = _end_step(run, progress)  # max_steps, or the step at which the tokens seen reach max_tokens
     with Sentinel(cfg, dist, start_step) as sentinel:  # watchdog, stop signal, faults
         run_state = checkpoint.run_state(cfg, run.datasets, dist.is_main)
+        saver = checkpoint.Saver(run.ctrl, asynchronous=cfg.checkpoint.async_save)
         # peak: the device's TFLOP/s per rank, for the MFU
         log, peak = _open_log(run, start_step, end, elapsed_before=progress.elapsed_hours * 3600)
         interval = Interval(run.engine.device)
@@ -151,16 +155,7 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
         stop_requested = 0  # the signal that asked the run to stop, agreed by all ranks
         # Hours of training: the checkpoint's (every rank reads the same one), then this process's.
         clock = Clock(max(gather(progress.elapsed_hours, run.ctrl)))
-        # Spent before this resume: decided on the checkpoint's hours, which every rank has agreed on
-        # (this process's own clock is each rank's, and the ranks agree on it in the step).
-        out_of_time = max_hours is not None and clock.before >= max_hours and progress.step < end
-        if out_of_time:
-            dist.log(
-                f"schedule.max_hours ({max_hours:g}) is spent: the run has trained {clock.before:.4g} h up to "
-                f"step {progress.step}; raise schedule.max_hours to train on"
-            )
-        elif progress.step >= end:
-            dist.log(_nothing_to_train(run, progress))
+        out_of_time = _spent_at_start(run, progress, clock, end)
         while progress.step < end and not out_of_time:
             step = progress.step  # the steps done; this one is step + 1
             log_due = cfg.logging.log_due(step + 1, end)
@@ -179,21 +174,24 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
                 want_grad_norm=log_due,
                 signum=sentinel.signum,
                 out_of_time=clock.spent(max_hours),
+                spikes=progress.spikes if progress.spikes.on else None,
             )
             # 2b. all ranks agree on a non-finite loss anywhere, a stop signal and the clock passing
             # schedule.max_hours: one host read of the loss a step, the price of never training on a NaN
-            # (the collective went off before the last backward). A bad step is not counted: the next
-            # batch is tried for it; M in a row roll back. Time up ends the run after this step.
+            # (the collective went off before the last backward). A bad step (a loss spike too, which
+            # train_step judged before the last backward) is not counted: the next batch is tried for it;
+            # M in a row roll back. Time up ends the run after this step.
             bad, stop_requested, out_of_time = verdict.wait()
-            if bad:
+            if bad or verdict.spike:
                 out_of_time = False  # asked again after the retried step, which saves
-                if _on_bad_step(run, progress, sentinel, batch_start=batch_start):
+                saver.wait()  # a rollback picks among committed checkpoints
+                if _on_bad_step(run, progress, sentinel, batch_start=batch_start, spike=verdict.spike):
                     interval.reset()
                 continue
             if step == start_step:
                 _log_first_step(dist)
             interval.add(step_loss)
-            step = progress.advance(run.tokens_per_step)
+            step = progress.advance(run.tokens_per_step, verdict.loss)
             # 3. log: the metrics' one host sync, once per log interval (one all_gather, then .tolist())
             if log_due:
                 losses[step] = _log(run, log, interval, progress, lr=lr, grad_norm=grad_norm, peak=peak)
@@ -207,11 +205,23 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
             # 5. checkpoint: every interval, at the end, and when a signal or max_hours stops the run
             if cfg.checkpoint.due(step, end, stop_requested=bool(stop_requested) or out_of_time):
                 val = val_loss if evaluated else None
-                _save(run, progress, run_state, sentinel, interval, val_loss=val, hours=clock.hours())
+                last = step >= end or bool(stop_requested) or out_of_time  # the run ends: wait for it
+                _save(
+                    run,
+                    progress,
+                    run_state,
+                    sentinel,
+                    interval,
+                    saver,
+                    val_loss=val,
+                    hours=clock.hours(),
+                    last=last,
+                )
                 interval.restart_clock()
             if stop_requested:  # saved on every rank just above
                 break
             sentinel.tick(step)
+        saver.wait()  # the end of the run: nothing is left in flight
     return _finish(
         run,
         log,
@@ -236,14 +246,17 @@ def train_step(
     want_grad_norm: bool,
     signum: int | None = None,
     out_of_time: bool = False,
+    spikes: SpikeRule | None = None,
 ) -> StepResult:
     """One optimizer step: forward and backward on each micro batch, DeepSpeed stepping on the
     last. Returns the summed loss and the gradient norm (every step where the loop clips at stage 0;
     at other stage-0 runs when asked; else None), both left on the device, and the ranks' agreement
     on a non-finite loss, a stop signal (`signum`) or the time being up (`out_of_time`), started
-    after the last forward. A pipeline's step is `pipeline_step`'s."""
+    after the last forward. With the spike rule (`spikes`), the step waits for the agreement before
+    the last backward, and a spike's update is not applied (`Agreement.spike` says why). A
+    pipeline's step is `pipeline_step`'s."""
     if run.pipelined:
-        return pipeline_step(run, timer, faults, batch_start, want_grad_norm, signum, out_of_time)
+        return pipeline_step(run, timer, faults, batch_start, want_grad_norm, signum, out_of_time, spikes)
     engine, dev, cfg = run.engine, run.engine.device, run.cfg
     grad_norm = None
     step_loss = torch.zeros((), device=dev)
@@ -255,11 +268,18 @@ def train_step(
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         timer.phase("fwd_bwd")  # the gradient reduction happens in backward
         _, loss = engine(x, y)
-        if faults.nan(batch_start, run.dist.rank):
-            loss = loss * float("nan")  # test hook: PRETRAIN_FAULT_NAN_STEPS
+        if (factor := faults.loss_factor(batch_start, run.dist.rank)) is not None:
+            loss = loss * factor  # test hooks: PRETRAIN_FAULT_NAN_STEPS, PRETRAIN_FAULT_SPIKE_STEPS
         step_loss += loss.detach().float()
         if i == micro_steps - 1:
-            verdict = start_agreement(step_loss, signum, run.ctrl, out_of_time)
+            if spikes is None:
+                verdict = start_agreement(step_loss, signum, run.ctrl, out_of_time)
+            else:
+                verdict = start_agreement(step_loss, signum, run.ctrl, out_of_time, micro_steps=micro_steps)
+                if verdict.judge(spikes):
+                    # Every rank poisons its last gradients, so that DeepSpeed's own overflow check skips
+                    # the update as it skips a NaN step's (and the loop rolls back where it does not).
+                    loss = loss * float("nan")
         engine.backward(loss)
         if engine.is_gradient_accumulation_boundary():
             if ds_engine.clips_itself(cfg, run.layout):
@@ -285,10 +305,12 @@ def pipeline_step(
     want_grad_norm: bool,
     signum: int | None,
     out_of_time: bool = False,
+    spikes: SpikeRule | None = None,
 ) -> StepResult:
     """One optimizer step through DeepSpeed's pipeline engine, which runs the micro-batches itself
     (`train_batch`: its 1F1B schedule over the stages, the reductions, the optimizer step). Returns
-    what `train_step` does; the agreement starts after the step, whose loss only the engine knows."""
+    what `train_step` does; the agreement starts after the step, whose loss only the engine knows, so
+    a spike's update has been applied: the loop rolls back, as after an applied NaN update."""
     engine, micro_steps = run.engine, run.cfg.batch.gradient_accumulation_steps
     timer.phase("data")
     # Every stage reads the step's micro-batches (the first uses the inputs, the last the labels), so
@@ -301,7 +323,13 @@ def pipeline_step(
     timer.phase("fwd_bwd")
     mean_loss = engine.train_batch(iter(batches))  # the mean over the micro-batches, on every stage
     step_loss = mean_loss.detach().float().reshape(()) * micro_steps
-    verdict = start_agreement(step_loss, signum, run.ctrl, out_of_time)
+    if faults.spike(batch_start, run.dist.rank):
+        step_loss = step_loss * faults.SPIKE  # test hook: PRETRAIN_FAULT_SPIKE_STEPS (the loss only)
+    if spikes is None:
+        verdict = start_agreement(step_loss, signum, run.ctrl, out_of_time)
+    else:
+        verdict = start_agreement(step_loss, signum, run.ctrl, out_of_time, micro_steps=micro_steps)
+        verdict.judge(spikes)
     timer.stop()
     return step_loss, engine.get_global_grad_norm() if want_grad_norm else None, verdict
 
@@ -318,6 +346,22 @@ def _end_step(run: Run, progress: Progress) -> int:
         return s.max_steps
     left = max(0, s.max_tokens - progress.tokens_seen)
     return min(s.max_steps, progress.step + -(-left // run.tokens_per_step))
+
+
+def _spent_at_start(run: Run, progress: Progress, clock: Clock, end: int) -> bool:
+    """Whether schedule.max_hours was spent before this resume, decided on the checkpoint's hours,
+    which every rank has agreed on (this process's own clock is each rank's, and the ranks agree on it
+    in the step). Says so, or that the step budget is spent."""
+    max_hours = run.cfg.schedule.max_hours
+    if max_hours is not None and clock.before >= max_hours and progress.step < end:
+        run.dist.log(
+            f"schedule.max_hours ({max_hours:g}) is spent: the run has trained {clock.before:.4g} h up to "
+            f"step {progress.step}; raise schedule.max_hours to train on"
+        )
+        return True
+    if progress.step >= end:
+        run.dist.log(_nothing_to_train(run, progress))
+    return False
 
 
 def _nothing_to_train(run: Run, progress: Progress) -> str:
@@ -343,7 +387,7 @@ def _ended_by(run: Run, progress: Progress, signum: int, out_of_time: bool) -> s
 
 def _start(run: Run) -> Progress:
     """Where the run starts: step 0, or the checkpoint it resumes from."""
-    progress = Progress()
+    progress = Progress(spikes=SpikeRule.of(run.cfg.checkpoint))
     if run.resume_from is not None:
         _restore(run, run.resume_from, progress)
     return progress
@@ -387,6 +431,7 @@ def _open_log(
         progress=cfg.logging.progress_bar,
         elapsed_before=elapsed_before,
     )
+    log.note_mix(start_step, cfg.data.blend, run.train_data.mix())  # a blend's mix, where the data stands
     return log, peak_tflops
 
 
@@ -428,14 +473,19 @@ def _save(
     run_state: dict[str, Any],
     sentinel: Sentinel,
     interval: Interval,
+    saver: checkpoint.Saver,
     *,
     val_loss: float | None,
     hours: float,
+    last: bool,
 ) -> None:
     """Save the checkpoint of `progress.step` on every rank; `val_loss`: evaluated at this step;
     `hours`: of training so far, over every resume. Between two log steps, every rank's loss sum so
-    far goes with it (one gather), for the resume."""
+    far goes with it (one gather), for the resume. In the background with checkpoint.async_save,
+    unless `last` (the run ends after it): then it waits for the save in flight and for itself."""
     sentinel.expect("the checkpoint save", progress.step)
+    if saver.busy:
+        run.dist.log(f"step {progress.step}: waiting for the checkpoint save in flight")
     micro = run.cfg.batch.gradient_accumulation_steps
     window = (
         interval.loss_steps,
@@ -451,6 +501,7 @@ def _save(
         val_loss=val_loss,
         skip_batches=progress.skip_batches,
         loss_window=window,
+        recent_losses=progress.spikes.recent,
         group=run.ctrl,
     )
     tag = checkpoint.save(
@@ -462,8 +513,14 @@ def _save(
         group=run.ctrl,
         tokenizer_file=run.datasets[0].dir / TOKENIZER_FILE,
         faults=sentinel.faults,
+        saver=saver,
+        wait=last or saver.background is None,
+        report=run.dist.log,
     )
-    run.dist.log(f"saved checkpoint {run.ckpt_dir / tag}")
+    if last or saver.background is None:
+        run.dist.log(f"saved checkpoint {run.ckpt_dir / tag}")
+    else:
+        run.dist.log(f"saving checkpoint {run.ckpt_dir / tag} in the background")
 
 
 def _finish(
@@ -548,30 +605,36 @@ def _log(
         lr=lr, grad_norm=_float(norm), loss_scale=_float(loss_scale), tokens_seen=progress.tokens_seen
     )
     log.log(progress.step, **values, **row)
+    log.note_mix(progress.step, cfg.data.blend, run.train_data.mix())  # a line if a scheduled mix moved
     log.log_ranks(progress.step, per_rank)
     log.progress(progress.step, row["loss"], row["tokens_per_s"])
     return float(row["loss"])
 
 
-def _on_bad_step(run: Run, progress: Progress, sentinel: Sentinel, *, batch_start: int) -> bool:
-    """After a non-finite loss: skip the step (DeepSpeed did not apply the update) or, after
-    checkpoint.max_bad_steps in a row or an applied update, roll back to the newest checkpoint and
-    skip the batches that led there. Returns True if it rolled back."""
-    sentinel.expect("the retry after a non-finite loss (or its rollback)", progress.step)
+def _on_bad_step(
+    run: Run, progress: Progress, sentinel: Sentinel, *, batch_start: int, spike: str | None = None
+) -> bool:
+    """After a non-finite loss or a loss spike (`spike`: why it is one): skip the step (DeepSpeed did
+    not apply the update) or, after checkpoint.max_bad_steps in a row or an applied update, roll back
+    to the newest checkpoint and skip the batches that led there. Returns True if it rolled back."""
+    sentinel.expect("the retry after a bad step (or its rollback)", progress.step)
     dist, policy = run.dist, run.cfg.checkpoint
+    kind, why = ("loss spike", spike) if spike else ("non-finite loss", "non-finite loss")
     progress.bad_streak.append(batch_start)
-    applied = run.engine.was_step_applied()  # stage 0 in fp32 applies even a NaN update
-    if not applied and len(progress.bad_streak) < policy.max_bad_steps:
+    # stage 0 in fp32 applies even a NaN update, and a pipeline has applied a spike's before it is known
+    applied = run.engine.was_step_applied()
+    streak = len(progress.bad_streak)
+    if not applied and streak < policy.max_bad_steps:
         progress.skipped_steps.append(progress.step + 1)
         dist.log(
-            f"step {progress.step + 1}: non-finite loss, update skipped "
-            f"({len(progress.bad_streak)} in a row, rollback at {policy.max_bad_steps})"
+            f"step {progress.step + 1}: {why}, update skipped ({streak} in a row, rollback at {policy.max_bad_steps})"
         )
         return False
     if len(progress.rollbacks) >= policy.max_rollbacks:
         raise CheckpointError(
-            f"step {progress.step + 1}: non-finite loss again after {len(progress.rollbacks)} rollbacks "
-            f"(checkpoint.max_rollbacks); stopping"
+            f"step {progress.step + 1}: {kind} again after {len(progress.rollbacks)} rollbacks "
+            f"(checkpoint.max_rollbacks), stopping: resume with a larger checkpoint.max_rollbacks"
+            f"{' or spike_factor' if spike else ''}, or a lower optimizer.lr"
         )
     target = find_checkpoint(
         run.ckpt_dir,
@@ -582,15 +645,15 @@ def _on_bad_step(run: Run, progress: Progress, sentinel: Sentinel, *, batch_star
     )
     if target is None:
         raise CheckpointError(
-            f"step {progress.step + 1}: non-finite loss {len(progress.bad_streak)} steps in a row"
-            f"{' and the update was applied' if applied else ''}, and no checkpoint to roll back to"
+            f"step {progress.step + 1}: {kind} {streak} steps in a row"
+            f"{' and the update was applied' if applied else ''}, and no checkpoint to roll back to: save one "
+            f"before this step (a smaller checkpoint.interval){' or raise checkpoint.spike_factor' if spike else ''}"
         )
     progress.skip_batches.update(progress.bad_streak)
     progress.bad_streak.clear()
     dist.log(
-        f"step {progress.step + 1}: rolling back to {target.path} after non-finite losses"
-        f"{' (the update was applied)' if applied else ''}; "
-        f"the batches at samples {sorted(progress.skip_batches)} will be skipped"
+        f"step {progress.step + 1}: {why}{', the update applied' if applied else f' ({streak} in a row)'}: "
+        f"rolling back to {target.path}, the batches at samples {sorted(progress.skip_batches)} will be skipped"
     )
     _restore(run, target, progress)
     progress.rollbacks.append(progress.step)
@@ -605,6 +668,7 @@ def _restore(run: Run, ckpt: Checkpoint, progress: Progress) -> None:
     progress.tokens_seen = int(state["tokens_seen"])
     progress.elapsed_hours = float(state.get("elapsed_hours", 0.0))  # none in older checkpoints
     progress.skip_batches |= {int(s) for s in state.get("skip_batches", [])}
+    progress.spikes.restore(state.get("recent_losses", []))  # the spike rule's window, as it was
     window = state.get("loss_window") or {}  # none in a checkpoint saved before it was kept
     progress.loss_window = (
         int(window.get("steps", 0)),
