@@ -36,6 +36,7 @@ from pretrain.data.tokenizer import (
     TiktokenTokenizer,
     count_words,
     load_tokenizer,
+    train_bpe,
 )
 from pretrain.errors import DataError
 from tests.conftest import GPT2_DIR
@@ -293,6 +294,63 @@ def test_bpe_trained_on_the_corpus(tmp_path: Path) -> None:
         load_tokenizer(tmp_path / "tokenizer.json")
     with pytest.raises(DataError, match="too small"):
         BPETokenizer.train(Counter({b"ab": 3}), 300)
+
+
+# Text a byte-level BPE must carry whole: accents, CJK, emoji (4 bytes, joiners, a variation
+# selector, a flag), combining marks, odd whitespace (tabs, CR LF, runs, NBSP, U+2028, zero width).
+ODD_TEXT = (
+    "Ünïcödé café naïve — “quotes” ‘and’ déjà vu\n"
+    "東京都 日本語のテキスト 한국어 Ελληνικά русский עברית العربية\n"
+    "emoji 🙂🙂 👩\u200d👩\u200d👧 ❤\ufe0f 🇫🇷 e\u0301 n\u0303\n"
+    "tabs\tand\t\ttabs, CR LF\r\n  two  spaces,\u00a0nbsp,\u2028line sep,\u200bzero width   \n\n\n"
+    "<|endoftext|> as plain text, numbers 3.14159 1,000,000\n"
+)
+
+
+def _odd_counts() -> Counter[bytes]:
+    counts: Counter[bytes] = Counter()
+    count_words(ODD_TEXT * 40 + TINY.read_text()[:50_000], counts)
+    return counts
+
+
+def test_bpe_ranks_are_tiktoken_ranks_that_round_trip_any_text() -> None:
+    ranks = train_bpe(_odd_counts(), 600)
+    assert sorted(ranks.values()) == list(range(599))
+    assert all(ranks[bytes([b])] == b for b in range(256))  # the single bytes first, in byte order
+    for token, rank in ranks.items():  # tiktoken reaches a token by merging two of lower rank
+        assert rank < 256 or any(
+            ranks.get(token[:i], rank) < rank and ranks.get(token[i:], rank) < rank
+            for i in range(1, len(token))
+        ), token
+    # Multi-byte tokens come back from tokenizers' byte alphabet as their own UTF-8 bytes.
+    assert "🙂".encode() in ranks and " café".encode() in ranks
+    tok = BPETokenizer(ranks)
+    assert tok.encode("🙂") == [ranks["🙂".encode()]]
+    for text in (ODD_TEXT, ODD_TEXT[::-1], "🙂" * 7, "\x00\x01\x7f ÿ\ufffd", ""):
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_bpe_training_is_deterministic_across_runs_and_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = _odd_counts()
+    ranks = train_bpe(counts, 600)
+    assert list(train_bpe(counts, 600).items()) == list(ranks.items())
+    # Workers may hand in their counts in any order.
+    assert list(train_bpe(Counter(dict(reversed(counts.items()))), 600).items()) == list(ranks.items())
+    # tokenizers reads TOKENIZERS_PARALLELISM on each call: "false" trains on one thread, no rayon.
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    assert list(train_bpe(counts, 600).items()) == list(ranks.items())
+
+
+def test_bpe_vocab_size_checks() -> None:
+    with pytest.raises(ValueError, match="at least 258"):
+        train_bpe(Counter({b"ab": 3}), 257)
+    assert len(train_bpe(Counter({b"ab": 3}), 258)) == 257  # one merge: "ab"
+    with pytest.raises(
+        DataError, match=r"too small for a vocabulary of 259: every word became one token after 1 merges"
+    ):
+        train_bpe(Counter({b"ab": 3, b"b": 1}), 259)
+    with pytest.raises(DataError, match="too small"):
+        train_bpe(Counter(), 300)
 
 
 # ---------------------------------------------------------------------------------------------
