@@ -19,6 +19,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_validator, model_validator
 
 from pretrain.config.batch import BatchConfig, positive_int
+from pretrain.config.cache_rules import cache_dir_problems
 from pretrain.config.ds_keys import (
     MODELED_DEEPSPEED_KEYS,
     PARTLY_MODELED,
@@ -419,6 +420,22 @@ class DataConfig(Section):
         description="Attend within each packed document only, positions restarting after each end-of-text token "
         "(gpt2 or bpe tokenizer): sets model.document_eot from the dataset. See docs/data.md, Document masks.",
     )
+    cache_dir: str | None = Field(
+        None,
+        min_length=1,
+        description="Node-local directory (NVMe) where each rank stages verified copies of the shards it reads, "
+        "reused across runs. None: shards are read where they lie. See docs/data.md, Local staging.",
+    )
+    cache_max_gb: float = Field(
+        200.0,
+        gt=0.0,
+        description="data.cache_dir: its bound in GB (least recently used other datasets evicted).",
+    )
+
+    def broken_rules(self, context: dict[str, Any]) -> list[str]:
+        return cache_dir_problems(
+            self.cache_dir, [Path(b.dataset_dir) for b in self.blend] or [self.resolved_dir()]
+        )
 
     def resolved_dir(self) -> Path:
         corpus = self.corpus.removeprefix("hf:").rstrip("/")

@@ -40,6 +40,8 @@ NOT_OUTPUT_FIELDS = frozenset(
         "blend",  # the mix and its schedules: the run's (datasets_sha256 and the loader state record them)
         "prefetch",
         "verify_shards",
+        "cache_dir",  # where the loader reads copies of the same shards
+        "cache_max_gb",
         "document_mask",  # the model's attention over the same tokens
         "dataset_dir",
         "hf_streaming",

@@ -209,6 +209,16 @@ def read_header(path: str | Path) -> ShardInfo:
     return ShardInfo(path, _DTYPES[code], n_tokens, n_docs, digest.hex())
 
 
+def payload_sha256(path: Path) -> str:
+    """The hex sha256 of a shard file's payload (all after the header), read a chunk at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(HEADER_SIZE)
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def open_shard(path: str | Path, verify: bool = True) -> np.memmap:
     """Memory-map a shard's tokens read-only, after checking its header, size and (if verify)
     the payload's sha256."""
@@ -216,13 +226,9 @@ def open_shard(path: str | Path, verify: bool = True) -> np.memmap:
     if info.n_tokens == 0:
         raise DataError(f"{info.path}: shard holds no tokens")
     if verify:
-        h = hashlib.sha256()
-        with open(info.path, "rb") as f:
-            f.seek(HEADER_SIZE)
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-        if h.hexdigest() != info.sha256:
+        digest = payload_sha256(info.path)
+        if digest != info.sha256:
             raise DataError(
-                f"{info.path}: checksum mismatch: payload sha256 is {h.hexdigest()}, header says {info.sha256}"
+                f"{info.path}: checksum mismatch: payload sha256 is {digest}, header says {info.sha256}"
             )
     return np.memmap(info.path, dtype=info.dtype, mode="r", offset=HEADER_SIZE, shape=(info.n_tokens,))

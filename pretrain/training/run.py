@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from pretrain.config.layout import Layout, layout_of
 from pretrain.config.tree import ModelConfig, RunConfig, analytic_num_params
 from pretrain.data.dataset import TOKENIZER_FILE, Dataset, open_datasets, resolve_vocab
 from pretrain.data.loader import ShardedLoader
+from pretrain.data.staging import stage_datasets
 from pretrain.data.tokenizer import Tokenizer, load_tokenizer
 from pretrain.errors import CheckpointError, ConfigError, DataError, OutputError
 from pretrain.training import checkpoint, init_from, rundir
@@ -117,8 +119,10 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
         engine,
         datasets,
         tokenizer,
-        _loader(cfg, datasets, place, "train", cfg.batch.gradient_accumulation_steps, shuffle=True),
-        _loader(cfg, datasets, place, "val", 1, shuffle=False),
+        _loader(
+            cfg, datasets, place, "train", cfg.batch.gradient_accumulation_steps, shuffle=True, log=dist.log
+        ),
+        _loader(cfg, datasets, place, "val", 1, shuffle=False, log=dist.log),
         ckpt_dir,
         ctrl,
         resume_from,
@@ -212,14 +216,22 @@ def _loader(
     grad_accum: int,
     *,
     shuffle: bool,
+    log: Callable[[str], None],
 ) -> ShardedLoader:
     """A split's loader for this rank's place (data-parallel rank, size, local rank): train mixes the
-    datasets by weight and shuffles, val reads all their val shards in order."""
+    datasets by weight and shuffles, val reads all their val shards in order. With data.cache_dir, the
+    shards are read from their node-local copies (data/staging.py), which staging verifies instead."""
     dp_rank, dp_size, local_rank = place
+    groups = [d.shard_paths(split) for d in datasets]
+    verify = cfg.data.verify_shards and local_rank == 0  # one full read per host, not per rank
+    if cfg.data.cache_dir is not None:
+        staged = stage_datasets(
+            datasets, split, cache_dir=cfg.data.cache_dir, max_gb=cfg.data.cache_max_gb, verify=verify
+        )
+        log(staged.summary(Path(cfg.data.cache_dir), split))
+        groups, verify = staged.paths, False  # every path it returned was verified if `verify` asked
     return ShardedLoader(
-        [d.shard_paths(split) for d in datasets]
-        if shuffle
-        else [p for d in datasets for p in d.shard_paths(split)],
+        groups if shuffle else [p for g in groups for p in g],
         block_size=cfg.model.block_size,
         micro_batch_size=cfg.batch.micro_batch_size,
         grad_accum=grad_accum,
@@ -227,7 +239,7 @@ def _loader(
         world_size=dp_size,
         seed=cfg.data.seed,
         shuffle=shuffle,
-        verify=cfg.data.verify_shards and local_rank == 0,  # one full read per host, not per rank
+        verify=verify,
         weights=[d.weight for d in datasets] if shuffle else None,
         prefetch=cfg.data.prefetch if shuffle else 0,
         # verified shards hold the tokenizer's ids; unverified ones are checked batch by batch
