@@ -41,7 +41,9 @@ from pretrain.config.tree import ModelConfig, RunConfig, required_vocab_size
 from pretrain.data.tokenizer import (
     BPE_RANKS_FILE,
     ENDOFTEXT,
+    HF_TOKENIZER_FILE,
     UNK,
+    HFTokenizer,
     Tokenizer,
     hf_added_tokens,
     hf_eot_token,
@@ -66,7 +68,7 @@ INFO = "pretrain.json"
 HF_DIR = "hf"
 TOKENIZER = "pretrain_tokenizer.json"
 # All an export holds (and an older export's tokenizer.json): what `export --out` may replace.
-EXPORT_NAMES = {WEIGHTS, INFO, HF_DIR, TOKENIZER, BPE_RANKS_FILE, checkpoint.TOKENIZER}
+EXPORT_NAMES = {WEIGHTS, INFO, HF_DIR, TOKENIZER, BPE_RANKS_FILE, HF_TOKENIZER_FILE, checkpoint.TOKENIZER}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -366,8 +368,8 @@ def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _special_ids(tok: Tokenizer | None) -> dict[str, int]:
     """<|endoftext|> as bos and eos: the tokenizer's own, or the one the char tokenizer's Hugging Face
-    tokenizer adds (`hf_added_tokens`)."""
-    if tok is None:
+    tokenizer adds (`hf_added_tokens`). An hf tokenizer's own end-of-text, if it has one."""
+    if tok is None or (isinstance(tok, HFTokenizer) and tok.eot_token is None):
         return {}
     eot = hf_eot_token(tok)
     return {"bos_token_id": eot, "eos_token_id": eot}
@@ -455,15 +457,15 @@ def hf_tokenizer_config(tok: Tokenizer, m: ModelConfig) -> dict[str, Any]:
     a batch is padded on the left, where generation continues each row from its last token. Special
     tokens split: a literal "<|endoftext|>" (or "<unk>") in text is plain text, as in ours."""
     unk = {"unk_token": UNK} if UNK in hf_added_tokens(tok) else {}
+    eos = tok.eos if isinstance(tok, HFTokenizer) else ENDOFTEXT
+    specials = {"bos_token": eos, "eos_token": eos, "pad_token": eos} if eos is not None else {}
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": m.block_size,
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": True,
         "padding_side": "left",
-        "bos_token": ENDOFTEXT,
-        "eos_token": ENDOFTEXT,
-        "pad_token": ENDOFTEXT,
+        **specials,
         **unk,
     }
 
@@ -483,7 +485,7 @@ def hf_generation_config(tok: Tokenizer, m: ModelConfig) -> dict[str, Any]:
         "top_k": 200,
         "max_new_tokens": 200,
         **ids,
-        "pad_token_id": ids["eos_token_id"],
+        "pad_token_id": ids.get("eos_token_id"),
         **suppress,
     }
 
@@ -493,7 +495,10 @@ def write_hf(out: Path, m: ModelConfig, sd: dict[str, torch.Tensor], dtype: str,
     out.mkdir()
     save_file(hf_state_dict(sd, m, hf_vocab_rows(m, tok)), str(out / WEIGHTS), metadata={"format": "pt"})
     default_mode(out / WEIGHTS)
-    write_atomic(out / "tokenizer.json", hf_tokenizer(tok).to_str())
+    # An hf tokenizer's own file, byte for byte: the others' are built (`hf_tokenizer`).
+    write_atomic(
+        out / "tokenizer.json", tok.data if isinstance(tok, HFTokenizer) else hf_tokenizer(tok).to_str()
+    )
     for name, obj in (
         ("config.json", hf_config(m, dtype, tok)),
         ("tokenizer_config.json", hf_tokenizer_config(tok, m)),

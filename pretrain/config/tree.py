@@ -359,15 +359,16 @@ class DataConfig(Section):
         "data/downloads", min_length=1, description="Where downloaded corpora are kept."
     )
     clean: CleanConfig = Field(default_factory=CleanConfig, description="Cleaning, filters and dedup.")
-    tokenizer: Literal["char", "gpt2", "bpe"] = Field(
+    tokenizer: Literal["char", "gpt2", "bpe", "hf"] = Field(
         "char",
-        description="Character-level vocabulary built from the corpus, tiktoken's GPT-2 BPE, or a byte-level "
-        "BPE trained on the corpus (run through tiktoken).",
+        description="Character-level vocabulary built from the corpus, tiktoken's GPT-2 BPE, a byte-level "
+        "BPE trained on the corpus (run through tiktoken), or a Hugging Face tokenizer.json (data.tokenizer_path).",
     )
     tokenizer_path: str | None = Field(
         None,
-        description="GPT-2 ranks offline: a gpt2.tiktoken file, or a directory holding gpt2.tiktoken, "
-        "vocab.bpe + encoder.json, or a tiktoken cache. None lets tiktoken download them.",
+        description="gpt2: its ranks offline, a gpt2.tiktoken file, or a directory holding gpt2.tiktoken, "
+        "vocab.bpe + encoder.json, or a tiktoken cache (None lets tiktoken download them). hf (required): a "
+        "tokenizer.json, or a directory holding one.",
     )
     bpe_vocab_size: int = Field(
         4096, ge=258, le=1 << 20, description="tokenizer 'bpe': vocabulary size, end-of-text token included."
@@ -433,9 +434,14 @@ class DataConfig(Section):
     )
 
     def broken_rules(self, context: dict[str, Any]) -> list[str]:
-        return cache_dir_problems(
+        problems = cache_dir_problems(
             self.cache_dir, [Path(b.dataset_dir) for b in self.blend] or [self.resolved_dir()]
         )
+        if self.tokenizer == "hf" and not self.tokenizer_path:
+            problems.append(
+                "data.tokenizer 'hf' needs data.tokenizer_path: set it to a tokenizer.json or its directory"
+            )
+        return problems
 
     def resolved_dir(self) -> Path:
         corpus = self.corpus.removeprefix("hf:").rstrip("/")

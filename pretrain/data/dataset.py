@@ -24,7 +24,7 @@ from typing import Any
 from pretrain.config.mix import Weight
 from pretrain.config.tree import DataConfig, RunConfig
 from pretrain.data.shards import ShardInfo, dtype_for_vocab, read_header
-from pretrain.data.tokenizer import GPT2_VOCAB_SIZE, Tokenizer
+from pretrain.data.tokenizer import GPT2_VOCAB_SIZE, HFTokenizer, Tokenizer
 from pretrain.errors import ConfigError, DataError
 from pretrain.files import FileLock, short_name, write_atomic
 
@@ -320,6 +320,8 @@ def vocab_size(cfg: RunConfig) -> tuple[int, str]:
 def tokenizer_vocab_size(cfg: DataConfig) -> int:
     """The vocabulary of `cfg`'s tokenizer before any data is prepared: GPT-2's 50257,
     data.bpe_vocab_size, or 65 characters (tiny-shakespeare's) for char."""
+    if cfg.tokenizer == "hf" and cfg.tokenizer_path is not None:
+        return HFTokenizer.from_path(cfg.tokenizer_path).vocab_size
     return {"gpt2": GPT2_VOCAB_SIZE, "bpe": cfg.bpe_vocab_size, "char": CHAR_VOCAB_GUESS}[cfg.tokenizer]
 
 

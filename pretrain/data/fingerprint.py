@@ -57,7 +57,9 @@ def output_config(cfg: DataConfig) -> dict[str, Any]:
     return {
         k: v
         for k, v in cfg.model_dump(mode="json").items()
-        if k not in NOT_OUTPUT_FIELDS and not (k in _NEW_OUTPUT_DEFAULTS and v == _NEW_OUTPUT_DEFAULTS[k])
+        # An hf tokenizer's path is the tokenizer: another one gives other tokens.
+        if (k not in NOT_OUTPUT_FIELDS or (k == "tokenizer_path" and cfg.tokenizer == "hf"))
+        and not (k in _NEW_OUTPUT_DEFAULTS and v == _NEW_OUTPUT_DEFAULTS[k])
     }
 
 

@@ -64,12 +64,20 @@ from pretrain.data.fingerprint import (
 )
 from pretrain.data.report import Progress, format_report, manifest_report, split_warnings, stats_line
 from pretrain.data.shards import ShardInfo, ShardWriter, dtype_for_vocab
-from pretrain.data.tokenizer import BPE_RANKS_FILE, BPETokenizer, CharTokenizer, TiktokenTokenizer, Tokenizer
+from pretrain.data.tokenizer import (
+    BPE_RANKS_FILE,
+    HF_TOKENIZER_FILE,
+    BPETokenizer,
+    CharTokenizer,
+    HFTokenizer,
+    TiktokenTokenizer,
+    Tokenizer,
+)
 from pretrain.data.workers import STUCK_POOL, Interrupted, Workers, stopping_on_signals, uninterrupted
 from pretrain.errors import DataError, require
 from pretrain.files import FileLock, check_output_dir, replace_dir, short_name, staging_dir
 
-_OWN_FILES = (MANIFEST, TOKENIZER_FILE, BPE_RANKS_FILE)
+_OWN_FILES = (MANIFEST, TOKENIZER_FILE, BPE_RANKS_FILE, HF_TOKENIZER_FILE)
 
 
 def _worker_count(cfg: DataConfig) -> int:
@@ -117,6 +125,9 @@ def _fit_tokenizer(
 ) -> Tokenizer:
     if cfg.tokenizer == "gpt2":
         return TiktokenTokenizer(cfg.tokenizer_path)
+    if cfg.tokenizer == "hf":
+        assert cfg.tokenizer_path is not None  # DataConfig's rule
+        return HFTokenizer.from_path(cfg.tokenizer_path)
     if cfg.tokenizer == "char":
         chars: set[str] = set()
         progress = Progress("vocabulary", total, log)

@@ -36,7 +36,7 @@ from pretrain.config.layout import Layout
 from pretrain.config.run_sections import CheckpointConfig
 from pretrain.config.tree import RunConfig, analytic_num_params
 from pretrain.data.dataset import TOKENIZER_FILE, Dataset, datasets_sha256
-from pretrain.data.tokenizer import BPE_RANKS_FILE
+from pretrain.data.tokenizer import BPE_RANKS_FILE, HF_TOKENIZER_FILE
 from pretrain.errors import CheckpointError
 from pretrain.files import format_bytes as _size
 from pretrain.files import fsync_dir, write_atomic
@@ -532,9 +532,9 @@ def _commit(
     tmp_dir = ckpt_dir / f"{TMP}{tag}"
     if tokenizer_file is not None and tokenizer_file.is_file():
         shutil.copyfile(tokenizer_file, tmp_dir / TOKENIZER)
-        ranks = tokenizer_file.with_name(BPE_RANKS_FILE)  # a trained BPE's ranks, which it names
-        if ranks.is_file():
-            shutil.copyfile(ranks, tmp_dir / BPE_RANKS_FILE)
+        for name in (BPE_RANKS_FILE, HF_TOKENIZER_FILE):  # a trained BPE's ranks, an hf tokenizer's file
+            if tokenizer_file.with_name(name).is_file():
+                shutil.copyfile(tokenizer_file.with_name(name), tmp_dir / name)
     for p in sorted(tmp_dir.rglob("*")):  # anything DeepSpeed wrote around the checkpoint engine
         rel = str(p.relative_to(tmp_dir))
         if p.is_file() and rel not in files:

@@ -19,6 +19,7 @@ each read as a slice of the file (`get_slice`), each our layout's rows or column
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -229,6 +230,9 @@ def _same_ids(source: Source, tokenizer: Any, kind: str) -> None:
     text: else the weights' ids mean other text, and one CheckpointError says so."""
     from tokenizers import Tokenizer as HFTokenizer
 
+    with contextlib.suppress(OSError):
+        if getattr(tokenizer, "data", None) == (source.dir / "tokenizer.json").read_bytes():
+            return  # the run's hf tokenizer, byte for byte
     try:
         theirs = HFTokenizer.from_file(str(source.dir / "tokenizer.json"))
     except Exception as e:  # tokenizers' own error on a file it cannot parse
