@@ -49,6 +49,7 @@ from pretrain.training.checkpoint_io import (
     digest_key,
     fits_in_host,
     snapshot,
+    storages,
     tensor_bytes,
     without_zip_crc,
 )
@@ -309,7 +310,7 @@ class _RecordingEngine:
         if self.written_snapshots:
             self.pool = {}
             for sd, _ in self.written_snapshots:
-                for st in _storages(sd):
+                for st in storages(sd):
                     self.pool.setdefault((st.nbytes(), st.is_pinned()), []).append(st)
             self.written_snapshots = []
         self.sink = FileSink(checksums)
@@ -352,24 +353,6 @@ class _RecordingEngine:
             self.written_snapshots.append((state_dict, path))  # its buffers serve the next snapshot
         written, errors = self.sink.results()
         return written, self.errors + errors
-
-
-def _storages(obj: Any) -> list[torch.UntypedStorage]:
-    """The distinct storages of the tensors in `obj`."""
-    found: dict[int, torch.UntypedStorage] = {}
-
-    def walk(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            found.setdefault(x.untyped_storage().data_ptr(), x.untyped_storage())
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, list | tuple):
-            for v in x:
-                walk(v)
-
-    walk(obj)
-    return list(found.values())
 
 
 def recorder(engine: Any) -> _RecordingEngine:
