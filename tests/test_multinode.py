@@ -13,17 +13,26 @@ Then `pretrain preflight` passes on the healthy cluster and names each seeded fa
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from pretrain.config.tree import DataConfig
+from pretrain.data.prepare import prepare
 from tests.cluster import IFNAME, Cluster, slurm_unavailable, unavailable
 from tests.conftest import ROOT, TINY_SHAKESPEARE, subprocess_env
+from tests.test_data_tasks import data_config, dataset_files, write_corpus
 
 pytestmark = pytest.mark.distributed
 
@@ -323,3 +332,158 @@ def test_preflight_names_the_host_and_the_fix(cluster, char_dataset, tmp_path, f
     assert "all-reduce:" not in out.stdout  # nothing is launched on a cluster that failed its checks
     if fault != "port":
         assert all(line.startswith("FAIL node2") for line in fails), out.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# a prepare stage's tasks on Slurm and on Ray (pretrain/data/executors.py)
+
+STAGE_TASKS = 4
+
+
+def run_stage_on(
+    cluster: Cluster, host: int, data: dict, logs: Path, out: Path, env: dict[str, str], step_args: str = ""
+):
+    """run_stage from `host` in a process of its own, with the toy step of tests/stage_steps.py."""
+    code = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from pretrain.config.tree import DataConfig\n"
+        "from pretrain.data.executors import run_stage\n"
+        "from tests.stage_steps import ToyStep\n"
+        "data = DataConfig.model_validate(json.loads(sys.argv[1]))\n"
+        f"run_stage(data, Path({str(logs)!r}), 'encode', ToyStep({str(out)!r}, sleep=1.0{step_args}), {STAGE_TASKS},"
+        " log=print)\n"
+    )
+    return cluster.run(host, [PY, "-c", code, json.dumps(data)], timeout=120, cwd=ROOT, env=env)
+
+
+def prepare_on(cluster: Cluster, host: int, corpus: Path, out: Path, env: dict[str, str], **over: object):
+    """`pretrain data prepare` of the test corpus on `host`, with these data settings."""
+
+    def sets(prefix: str, values: dict) -> Iterator[str]:
+        for k, v in values.items():
+            text = json.dumps(v) if isinstance(v, str) and ":" in v else v  # 5:00 is a time, not YAML's 300
+            yield from sets(f"{prefix}{k}.", v) if isinstance(v, dict) else [f"{prefix}{k}={text}"]
+
+    argv = [str(Path(PY).parent / "pretrain"), "data", "prepare"]
+    for item in sets("data.", data_config(corpus, out, tasks=STAGE_TASKS, **over)):
+        argv += ["--set", item]
+    return cluster.run(host, argv, timeout=240, cwd=ROOT, env=env)
+
+
+@pytest.fixture(scope="module")
+def local_tasks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The test corpus (near and exact copies across tasks) and its dataset, prepared as
+    STAGE_TASKS tasks by the local executor: what Slurm and Ray must give, byte for byte."""
+    d = tmp_path_factory.mktemp("engine")
+    (d / "corpus").mkdir()
+    write_corpus(d / "corpus")
+    out = prepare(
+        DataConfig.model_validate(data_config(d / "corpus", d / "local", tasks=STAGE_TASKS, workers=2))
+    )
+    return d / "corpus", out
+
+
+def check_stage(out: Path, logs: Path, res: subprocess.CompletedProcess[str]) -> set[str]:
+    """Every rank's output and completion marker; returns the hosts that ran them."""
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert sorted(p.name for p in (logs / "completions").iterdir()) == [
+        f"{r:05d}" for r in range(STAGE_TASKS)
+    ]
+    rows = [(out / f"rank{r}.txt").read_text().split() for r in range(STAGE_TASKS)]
+    assert [row[:2] for row in rows] == [[str(r), str(STAGE_TASKS)] for r in range(STAGE_TASKS)]
+    return {row[2] for row in rows}
+
+
+def test_data_stage_on_a_real_two_node_slurm(cluster, local_tasks, tmp_path):
+    """run_stage with data.executor 'slurm' submits a job array from node1 and waits for it: every
+    task's output and completion marker is there when it returns."""
+    reason = slurm_unavailable()
+    if reason:
+        pytest.skip(f"real Slurm: {reason}")
+    conf = cluster.start_slurm()
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    data = {
+        "executor": "slurm",
+        "tasks": STAGE_TASKS,
+        "slurm": {"time": "5:00", "mem_per_cpu_gb": 0.001},
+    }
+    res = run_stage_on(cluster, 0, data, logs, out, cluster.env(SLURM_CONF=str(conf)))
+    # Four one-CPU tasks on two nodes of two CPUs each: Slurm starts them at once, on both nodes.
+    assert check_stage(out, logs, res) == {"node1", "node2"}
+    assert res.stdout.splitlines()[-1] == f"stage encode: {STAGE_TASKS}/{STAGE_TASKS} tasks done"
+    # A whole prepare, every stage a job array: the local executor's dataset, byte for byte.
+    corpus, local = local_tasks
+    res = prepare_on(cluster, 0, corpus, tmp_path / "ds", cluster.env(SLURM_CONF=str(conf)), executor="slurm",
+                     slurm={"time": "5:00", "mem_per_cpu_gb": 0.001})  # fmt: skip
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert dataset_files(tmp_path / "ds") == dataset_files(local)
+    # A task that raises: the others complete, and the error names it, its log and Slurm's output.
+    failing = tmp_path / "failing"
+    res = run_stage_on(
+        cluster, 0, data, failing, out, cluster.env(SLURM_CONF=str(conf)), step_args=", raise_rank=1"
+    )
+    assert res.returncode == 1
+    assert (
+        "DataError: data prepare stage 'encode' (data.executor 'slurm'): 1 of 4 tasks did not complete: rank 1 "
+        f"(log {failing}/logs/task_00001.log), Slurm's output in {failing}/slurm_logs: fix what their logs name"
+    ) in res.stdout, res.stdout[-3000:]
+    assert sorted(p.name for p in (failing / "completions").iterdir()) == ["00000", "00002", "00003"]
+
+
+def netns_pids(cluster: Cluster) -> set[int]:
+    pids: set[int] = set()
+    for h in cluster.hosts:
+        res = subprocess.run(["ip", "netns", "pids", h.ns], capture_output=True, text=True)
+        pids.update(int(p) for p in res.stdout.split())
+    return pids
+
+
+def test_data_stage_on_ray_with_two_nodes(cluster, local_tasks, tmp_path):
+    """run_stage with data.executor 'ray' on a two-node Ray cluster (a head on node1, a worker node on
+    node2, one CPU each) from node1: every task's output and completion marker, from both nodes.
+    Ray's processes are stopped by PID at the end (`ray stop` would stop every Ray on this machine)."""
+    ray = str(Path(PY).parent / "ray")
+    # Ray's unix sockets live under its temp dir, whose path must stay short (108 bytes a socket path).
+    temp = Path(tempfile.mkdtemp(prefix="ptray", dir="/tmp"))
+    env = cluster.env(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", HOME=str(tmp_path))
+    common = ["--num-cpus", "1", "--object-store-memory", str(80 << 20), "--disable-usage-stats"]
+    before = netns_pids(cluster)
+    try:
+        head = cluster.run(
+            0,
+            [ray, "start", "--head", "--node-ip-address", "10.77.0.1", "--port", "6390",
+             "--include-dashboard=false", "--temp-dir", str(temp / "head"), *common],
+            timeout=60, env=env,
+        )  # fmt: skip
+        assert head.returncode == 0, head.stdout[-3000:]
+        node = cluster.run(
+            1,
+            [ray, "start", "--address", "10.77.0.1:6390", "--node-ip-address", "10.77.0.2",
+             "--temp-dir", str(temp / "node2"), *common],
+            timeout=60, env=env,
+        )  # fmt: skip
+        assert node.returncode == 0, node.stdout[-3000:]
+        out, logs = tmp_path / "out", tmp_path / "logs"
+        out.mkdir()
+        data = {"executor": "ray", "tasks": STAGE_TASKS, "ray": {"address": "10.77.0.1:6390"}}
+        res = run_stage_on(cluster, 0, data, logs, out, env)
+        assert check_stage(out, logs, res) == {"node1", "node2"}
+        assert res.stdout.splitlines()[-1] == f"stage encode: {STAGE_TASKS}/{STAGE_TASKS} tasks done"
+        corpus, local = local_tasks  # a whole prepare: the local executor's dataset, byte for byte
+        res = prepare_on(
+            cluster, 0, corpus, tmp_path / "ds", env, executor="ray", ray={"address": "10.77.0.1:6390"}
+        )
+        assert res.returncode == 0, res.stdout[-4000:]
+        assert dataset_files(tmp_path / "ds") == dataset_files(local)
+    finally:
+        for _ in range(3):
+            left = netns_pids(cluster) - before
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if not left:
+                break
+            time.sleep(0.2)
+        shutil.rmtree(temp, ignore_errors=True)

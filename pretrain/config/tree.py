@@ -20,6 +20,7 @@ from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_va
 
 from pretrain.config.batch import BatchConfig, positive_int
 from pretrain.config.cache_rules import cache_dir_problems
+from pretrain.config.data_engine import DataEngineFields, engine_problems
 from pretrain.config.ds_keys import (
     MODELED_DEEPSPEED_KEYS,
     PARTLY_MODELED,
@@ -316,7 +317,7 @@ class CleanConfig(Section):
         return []
 
 
-class DataConfig(Section):
+class DataConfig(DataEngineFields):
     corpus: str = Field(
         "shakespeare",
         min_length=1,
@@ -401,7 +402,10 @@ class DataConfig(Section):
         "line breaks, so that no document has to fit in memory whole.",
     )
     workers: int | None = Field(
-        None, ge=0, description="Worker processes of prepare; None: one per CPU core; 0: in this process."
+        None,
+        ge=0,
+        description="Worker processes of prepare (with data.tasks: tasks at once); None: one per CPU "
+        "core (with data.tasks and slurm or ray: all); 0: in this process (local).",
     )
     blend: Annotated[list[BlendSource], AfterValidator(mixed_everywhere)] = Field(
         default_factory=list,
@@ -437,6 +441,7 @@ class DataConfig(Section):
         problems = cache_dir_problems(
             self.cache_dir, [Path(b.dataset_dir) for b in self.blend] or [self.resolved_dir()]
         )
+        problems += engine_problems(self)
         if self.tokenizer == "hf" and not self.tokenizer_path:
             problems.append(
                 "data.tokenizer 'hf' needs data.tokenizer_path: set it to a tokenizer.json or its directory"

@@ -45,20 +45,28 @@ NOT_OUTPUT_FIELDS = frozenset(
         "document_mask",  # the model's attention over the same tokens
         "dataset_dir",
         "hf_streaming",
+        "executor",  # where the tasks run: the same dataset on every executor
+        "slurm",
+        "ray",
     }
 )
 
 
 # Output fields that older manifests lack: left out of the comparison while at their defaults.
-_NEW_OUTPUT_DEFAULTS: dict[str, Any] = {"hf_config": None, "hf_split": "train"}
+_NEW_OUTPUT_DEFAULTS: dict[str, Any] = {"hf_config": None, "hf_split": "train", "tasks": None}
 
 
 def output_config(cfg: DataConfig) -> dict[str, Any]:
     return {
         k: v
         for k, v in cfg.model_dump(mode="json").items()
-        # An hf tokenizer's path is the tokenizer: another one gives other tokens.
-        if (k not in NOT_OUTPUT_FIELDS or (k == "tokenizer_path" and cfg.tokenizer == "hf"))
+        # An hf tokenizer's path is the tokenizer: another one gives other tokens. With data.tasks, the
+        # chunks are the tasks' boundaries, and so the shards'.
+        if (
+            k not in NOT_OUTPUT_FIELDS
+            or (k == "tokenizer_path" and cfg.tokenizer == "hf")
+            or (k == "chunk_bytes" and cfg.tasks is not None)
+        )
         and not (k in _NEW_OUTPUT_DEFAULTS and v == _NEW_OUTPUT_DEFAULTS[k])
     }
 

@@ -557,7 +557,12 @@ def _build(
         if log:
             log(
                 f"preparing {cfg.corpus} ({inputs['files']:,} files, {inputs['bytes'] / 1e6:,.1f} MB) into {out}: "
-                f"{cfg.tokenizer} tokenizer, {workers.n} worker processes"
+                f"{cfg.tokenizer} tokenizer, "
+                + (
+                    f"{workers.n} worker processes"
+                    if cfg.tasks is None
+                    else f"as {cfg.tasks} task{'s' if cfg.tasks != 1 else ''} on the {cfg.executor} executor"
+                )
             )
             if own_val:
                 log(
@@ -567,9 +572,15 @@ def _build(
         setup = Setup(cfg.clean, cfg.text_field, cfg.seed, cfg.val_fraction)
         tok = _fit_tokenizer(cfg, workers, setup, log=log, total=inputs["bytes"])
         setup.tokenizer, setup.dtype = tok, dtype_for_vocab(tok.vocab_size).name
-        shards, report = _encode(
-            cfg, tok, workers, setup, staging, log=log, total=inputs["bytes"], own_val=own_val
-        )
+        work = None
+        if cfg.tasks is None:
+            shards, report = _encode(
+                cfg, tok, workers, setup, staging, log=log, total=inputs["bytes"], own_val=own_val
+            )
+        else:
+            from pretrain.data.tasks import build  # datatrove and Ray only where asked for
+
+            shards, report, work = build(cfg, tok, setup, out=out, staging=staging, inputs=inputs, log=log)
         for warning in report["warnings"]:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         tok.save(staging / TOKENIZER_FILE)
@@ -580,6 +591,8 @@ def _build(
         with uninterrupted():  # the swap is two renames: never stopped between them
             replace_dir(staging, out)
             swapped.append(True)
+        if work is not None:  # the tasks' own files, kept until the dataset was in place
+            shutil.rmtree(work, ignore_errors=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

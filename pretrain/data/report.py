@@ -156,7 +156,11 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"documents: {report['documents_in']:,} in, {report['documents_out']:,} out; "
         f"{format_bytes(report['bytes_in'])} in, {format_bytes(report['bytes_out'])} out "
-        f"({report['seconds']:.1f} s, {report['workers']} workers)"
+        + (
+            f"({report['seconds']:.1f} s, {report['workers']} workers)"
+            if "seconds" in report
+            else f"({report['tasks']} tasks)"
+        )
     ]
     for kind, show in (
         ("removed", lambda v: format_bytes(v["bytes"])),

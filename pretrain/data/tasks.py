@@ -1,0 +1,745 @@
+"""Prepare as many tasks (`data.tasks`): each stage a set of independent tasks that an executor runs
+(executors.py: this host's cores, Slurm or Ray), dedup global across all of them.
+
+    plan (here) ─ encode ─ exact ─ bands ─ clusters ─ write ─ here: shards moved in, manifest
+
+- plan: the corpus in corpus order, cut into units (a chunk, or a compressed file that its task
+  decompresses itself), dealt out to `tasks` runs of about equal input bytes, one file per task.
+- encode (one task per run): read, clean, split, hash, MinHash and tokenize, as one host's workers
+  do (encode.py); the tokens and a table of each document go to the task's directory.
+- exact (as many tasks as runs): the hashes by hash % tasks; in each part, every document whose hash
+  an earlier one had is removed (the first in corpus order is kept).
+- bands (bands x parts tasks): each MinHash band, by its first value % parts, sorted: the buckets
+  holding two or more documents that exact dedup kept.
+- clusters (one task): in corpus order, a document is a near duplicate when a bucket it is in holds
+  an earlier document that was kept. That is what one host's MinHashLSH query over the kept
+  documents decides (dedup.py), so the kept set is the same for any number of tasks.
+- write (one task per run): the kept documents of each run into its own shards, `train_tNNNNN_*`.
+
+Every task writes into a directory of its own and renames it into place when it is whole, so a
+task that dies leaves nothing a later stage reads, and one run again writes the same bytes. The
+work directory sits beside the dataset (`.NAME.tasks`) and outlives a failed or stopped prepare:
+the same command again runs only the tasks that did not finish. It is named by what it builds
+(config, inputs, tokenizer, tasks): a prepare of anything else starts it afresh. Once the dataset
+is swapped in, it goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pretrain.config.tree import DataConfig
+from pretrain.data.chunks import Chunk, file_chunks, read_chunk
+from pretrain.data.clean import Cleaner, CleanStats
+from pretrain.data.dataset import SPLITS
+from pretrain.data.encode import Setup, encode_task, init_worker
+from pretrain.data.fingerprint import input_files, output_config
+from pretrain.data.shards import ShardInfo, ShardWriter, dtype_for_vocab
+from pretrain.data.sources import InputFile
+from pretrain.data.tokenizer import Tokenizer
+from pretrain.errors import DataError
+from pretrain.files import short_name
+
+WORK_VERSION = 1
+FAULT_KILL = "PRETRAIN_FAULT_KILL_TASK"  # "STAGE:RANK": that task SIGKILLs itself, the first time only
+_WRITE_DOCS = 1 << 16  # documents a write task copies at a time: its memory stays flat
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of the corpus one task reads: its chunks, or a compressed file it decompresses."""
+
+    chunks: tuple[Chunk, ...] = ()
+    file: InputFile | None = None
+
+
+def work_dir(out: Path) -> Path:
+    real = Path(os.path.realpath(out))
+    return real.with_name(f".{short_name(real.name)}.tasks")
+
+
+def work_key(cfg: DataConfig, inputs: dict[str, Any], tok: Tokenizer) -> str:
+    """What a work directory builds: a prepare of anything else does not reuse its tasks."""
+    what = {
+        "version": WORK_VERSION,
+        "config": output_config(cfg),
+        "inputs": inputs.get("digest"),
+        "val": (inputs.get("val") or {}).get("digest"),
+        "tokenizer": tok.fingerprint(),
+        "tasks": cfg.tasks,
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+def open_work(work: Path, key: str) -> None:
+    """`work` holds the tasks of `key` (kept from an earlier try), or is made afresh."""
+    marker = work / "key"
+    if marker.is_file() and marker.read_text() == key:
+        return
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    _atomic_bytes(marker, key.encode())
+
+
+# ---------------------------------------------------------------------------------------------
+# Files of the work directory: each whole or absent
+
+
+def _atomic_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}.npy")
+    np.save(tmp, array)
+    os.replace(tmp, path)
+
+
+def _task_dir(work: Path, stage: str, rank: int) -> Path:
+    return work / stage / f"t{rank:05d}"
+
+
+@contextlib.contextmanager
+def _building(done: Path) -> Iterator[Path | None]:
+    """A task's directory built beside `done` and renamed to it when whole; None: done already."""
+    if done.is_dir():
+        yield None
+        return
+    tmp = done.with_name(f"{done.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        with contextlib.suppress(FileNotFoundError):  # another try of the same task won: same bytes
+            os.rename(tmp, done)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fault(job: Job, stage: str, rank: int) -> None:
+    """PRETRAIN_FAULT_KILL_TASK=STAGE:RANK (in the prepare's environment, carried by the job to
+    wherever its tasks run): that task dies by SIGKILL mid-way, once (tests)."""
+    if job.fault != f"{stage}:{rank}":
+        return
+    flag = job.root / f"fault-{stage}-{rank}"
+    if not flag.exists():
+        flag.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+
+
+def plan(cfg: DataConfig, work: Path, total_bytes: int) -> None:
+    """Deal the corpus out to cfg.tasks runs of about equal input bytes, in corpus order: one list
+    of units per task (`plan/tNNNNN.pkl`), written as the corpus is walked."""
+    assert cfg.tasks is not None
+    tasks, done = cfg.tasks, work / "plan" / "done"
+    if done.is_file():
+        return
+    (work / "plan").mkdir(exist_ok=True)
+    units: list[Unit] = []
+    current, seen = 0, 0
+
+    def flush(upto: int) -> None:
+        nonlocal current, units
+        while current < upto:
+            _atomic_bytes(work / "plan" / f"t{current:05d}.pkl", pickle.dumps(units))
+            current, units = current + 1, []
+
+    for unit, size in _units(cfg):
+        flush(min(tasks - 1, seen * tasks // max(total_bytes, 1)))
+        units.append(unit)
+        seen += size
+    flush(tasks)
+    done.touch()
+
+
+def _units(cfg: DataConfig) -> Iterator[tuple[Unit, int]]:
+    for file in input_files(cfg):
+        if file.format == "hf-stream":
+            raise DataError(
+                f"{cfg.corpus}: a streamed dataset (data.hf_streaming) is read from its start by one process, "
+                "so it cannot be cut into data.tasks: save it to disk first (datasets' save_to_disk) and point "
+                "data.corpus there, or leave data.tasks unset"
+            )
+        if file.compression:
+            yield Unit(file=file), file.size
+            continue
+        for piece in file_chunks(
+            file,
+            chunk_bytes=cfg.chunk_bytes,
+            text_split_bytes=cfg.text_split_bytes,
+            text_field=cfg.text_field,
+        ):
+            chunk = replace(piece, split=file.split) if file.split else piece
+            yield Unit(chunks=(chunk,)), chunk.input_bytes
+
+
+def _chunk_lists(cfg_bytes: tuple[int, int, str], units: list[Unit]) -> Iterator[list[Chunk]]:
+    chunk_bytes, text_split_bytes, text_field = cfg_bytes
+    for unit in units:
+        if unit.file is None:
+            yield list(unit.chunks)
+            continue
+        for piece in file_chunks(
+            unit.file, chunk_bytes=chunk_bytes, text_split_bytes=text_split_bytes, text_field=text_field
+        ):
+            yield [replace(piece, split=unit.file.split) if unit.file.split else piece]
+
+
+# ---------------------------------------------------------------------------------------------
+# The work every task reads: the setup (tokenizer included), the offsets of each run's documents
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every task of a prepare reads; picklable (the executors send it to the tasks)."""
+
+    work: str
+    tasks: int
+    chunking: tuple[int, int, str]  # chunk_bytes, text_split_bytes, text_field
+    exact: bool
+    near: bool
+    perms: int
+    hashranges: tuple[tuple[int, int], ...]  # the MinHash bands, as one host's MinHashLSH cuts them
+    parts: int  # each band's buckets in this many parts, by their first value
+    shard_tokens: int
+    fault: str | None = None  # PRETRAIN_FAULT_KILL_TASK
+
+    @property
+    def root(self) -> Path:
+        return Path(self.work)
+
+    def setup(self) -> Setup:
+        setup: Setup = pickle.loads((self.root / "setup.pkl").read_bytes())
+        return setup
+
+    def offsets(self) -> np.ndarray:
+        """Global index of each run's first document, and the total at the end: (tasks + 1,)."""
+        return np.load(self.root / "offsets.npy")
+
+    def docs(self, rank: int, name: str) -> np.ndarray:
+        return np.load(_task_dir(self.root, "encode", rank) / f"{name}.npy", mmap_mode="r")
+
+    def signatures(self, rank: int) -> np.ndarray:
+        n = len(self.docs(rank, "lengths"))
+        path = _task_dir(self.root, "encode", rank) / "sig.bin"
+        if n == 0:
+            return np.empty((0, self.perms), dtype=np.uint32)
+        return np.memmap(path, dtype=np.uint32, mode="r", shape=(n, self.perms))
+
+    def removed(self, name: str) -> np.ndarray:
+        path = self.root / f"{name}.npy"
+        return np.load(path) if path.is_file() else np.empty(0, dtype=np.int64)
+
+
+def make_job(cfg: DataConfig, work: Path, setup: Setup) -> Job:
+    clean = cfg.clean
+    hashranges: tuple[tuple[int, int], ...] = ()
+    if clean.near_dedup:
+        from datasketch import MinHashLSH  # the near-dedup extra, checked by prepare
+
+        lsh = MinHashLSH(threshold=clean.near_dedup_threshold, num_perm=clean.minhash_perms)
+        hashranges = tuple((int(a), int(b)) for a, b in lsh.hashranges)
+    assert cfg.tasks is not None
+    bands = max(len(hashranges), 1)
+    _atomic_bytes(work / "setup.pkl", pickle.dumps(setup))
+    return Job(
+        work=str(work),
+        tasks=cfg.tasks,
+        chunking=(cfg.chunk_bytes, cfg.text_split_bytes, cfg.text_field),
+        exact=clean.exact_dedup,
+        near=clean.near_dedup,
+        perms=clean.minhash_perms,
+        hashranges=hashranges,
+        parts=-(-cfg.tasks // bands),
+        shard_tokens=cfg.shard_tokens,
+        fault=os.environ.get(FAULT_KILL),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# encode
+
+
+_TABLE = ("lengths", "sizes", "is_val", "hashes", "has_shingles")
+
+
+@dataclass(frozen=True)
+class Encode:
+    job: Job
+
+    def __call__(self, rank: int, world_size: int) -> None:
+        job = self.job
+        with _building(_task_dir(job.root, "encode", rank)) as tmp:
+            if tmp is None:
+                return
+            units: list[Unit] = pickle.loads((job.root / "plan" / f"t{rank:05d}.pkl").read_bytes())
+            init_worker(job.setup())
+            table: dict[str, list[np.ndarray]] = {k: [] for k in _TABLE}
+            stats, names, cpu = CleanStats(), [], 0.0
+            with open(tmp / "tokens.bin", "wb") as tokens, open(tmp / "sig.bin", "wb") as sig:
+                for i, chunks in enumerate(_chunk_lists(job.chunking, units)):
+                    if i == 1:
+                        _fault(job, "encode", rank)
+                    r = encode_task(chunks)
+                    stats.add(r.stats)
+                    cpu += r.cpu_s
+                    names += r.names
+                    tokens.write(r.tokens.tobytes())
+                    if r.signatures is not None:
+                        sig.write(np.ascontiguousarray(r.signatures, dtype=np.uint32).tobytes())
+                    for k in _TABLE:
+                        table[k].append(getattr(r, k))
+            _fault(job, "encode", rank)
+            for k, parts in table.items():
+                np.save(tmp / f"{k}.npy", np.concatenate(parts) if parts else _empty(k))
+            (tmp / "names.json").write_text(json.dumps(names))
+            (tmp / "stats.pkl").write_bytes(pickle.dumps((stats, cpu)))
+
+
+def _empty(name: str) -> np.ndarray:
+    kind = {"lengths": np.int64, "sizes": np.int64, "is_val": bool, "hashes": np.uint64}
+    return np.empty(0, dtype=kind.get(name, bool))
+
+
+def write_offsets(job: Job) -> np.ndarray:
+    counts = [len(job.docs(t, "lengths")) for t in range(job.tasks)]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    _save_npy(job.root / "offsets.npy", offsets)
+    return offsets
+
+
+# ---------------------------------------------------------------------------------------------
+# exact: hash % tasks parts, the first of each hash in corpus order kept
+
+
+@dataclass(frozen=True)
+class Exact:
+    job: Job
+
+    def __call__(self, part: int, parts: int) -> None:
+        job = self.job
+        with _building(_task_dir(job.root, "exact", part)) as tmp:
+            if tmp is None:
+                return
+            offsets = job.offsets()
+            hashes, ids = [], []
+            for t in range(job.tasks):
+                h = np.asarray(job.docs(t, "hashes"))
+                sel = np.flatnonzero(h % np.uint64(parts) == part)
+                hashes.append(h[sel])
+                ids.append(sel + offsets[t])
+            h, i = np.concatenate(hashes), np.concatenate(ids)
+            order = np.lexsort((i, h))  # by hash, then corpus order
+            h, i = h[order], i[order]
+            again = np.zeros(len(h), dtype=bool)
+            again[1:] = h[1:] == h[:-1]
+            np.save(tmp / "removed.npy", np.sort(i[again]))
+
+
+def gather_removed(job: Job, stage: str, parts: int, name: str) -> np.ndarray:
+    """The removed documents of every part of a stage, sorted, saved as `name`.npy in the work."""
+    found = [np.load(_task_dir(job.root, stage, p) / "removed.npy") for p in range(parts)]
+    removed = np.sort(np.concatenate(found)) if found else np.empty(0, dtype=np.int64)
+    _save_npy(job.root / f"{name}.npy", removed.astype(np.int64))
+    return removed
+
+
+def _in_range(removed: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """The removed documents of one run, [lo, hi), as indexes local to it."""
+    a, b = np.searchsorted(removed, [lo, hi])
+    return removed[a:b] - lo
+
+
+# ---------------------------------------------------------------------------------------------
+# bands: the buckets of one band (one part of it) that hold two or more documents
+
+
+@dataclass(frozen=True)
+class Bands:
+    job: Job
+
+    def __call__(self, index: int, n: int) -> None:
+        job = self.job
+        with _building(_task_dir(job.root, "bands", index)) as tmp:
+            if tmp is None:
+                return
+            band, part = divmod(index, job.parts)
+            start, end = job.hashranges[band]
+            offsets, exact_removed = job.offsets(), job.removed("exact_removed")
+            keys, ids = [], []
+            for t in range(job.tasks):
+                use = np.asarray(job.docs(t, "has_shingles")).copy()
+                use[_in_range(exact_removed, int(offsets[t]), int(offsets[t + 1]))] = False
+                sel = np.flatnonzero(use)
+                rows = np.asarray(job.signatures(t)[sel, start:end])
+                mine = rows[:, 0] % np.uint32(job.parts) == part if len(rows) else np.zeros(0, bool)
+                keys.append(rows[mine])
+                ids.append(sel[mine] + offsets[t])
+            k = np.concatenate(keys) if keys else np.empty((0, end - start), np.uint32)
+            i = np.concatenate(ids) if ids else np.empty(0, np.int64)
+            members, sizes = _buckets(k, i)
+            np.save(tmp / "members.npy", members)
+            np.save(tmp / "sizes.npy", sizes)
+
+
+def _buckets(keys: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Documents that share a key (a row of `keys`), bucket by bucket, each in corpus order: the
+    members of the buckets of two or more, concatenated, and each bucket's size."""
+    if len(ids) == 0:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    order = np.lexsort((ids, *keys.T[::-1]))  # by the band's values, then corpus order
+    keys, ids = keys[order], ids[order]
+    new = np.ones(len(ids), dtype=bool)
+    new[1:] = (keys[1:] != keys[:-1]).any(axis=1)
+    starts = np.flatnonzero(new)
+    sizes = np.diff(np.append(starts, len(ids)))
+    shared = sizes >= 2
+    take = np.repeat(shared, sizes)
+    return ids[take].astype(np.int64), sizes[shared].astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# clusters: in corpus order, a document in a bucket with a kept earlier one is a near duplicate
+
+
+@dataclass(frozen=True)
+class Clusters:
+    job: Job
+
+    def __call__(self, rank: int, world_size: int) -> None:
+        job = self.job
+        with _building(_task_dir(job.root, "clusters", rank)) as tmp:
+            if tmp is None:
+                return
+            n_tasks = len(job.hashranges) * job.parts
+            members, sizes = [], []
+            for j in range(n_tasks):
+                members.append(np.load(_task_dir(job.root, "bands", j) / "members.npy"))
+                sizes.append(np.load(_task_dir(job.root, "bands", j) / "sizes.npy"))
+            np.save(tmp / "removed.npy", near_removed(np.concatenate(members), np.concatenate(sizes)))
+
+
+def near_removed(members: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The documents that one host's MinHashLSH query over the kept documents would call near
+    duplicates, given every bucket of two or more (`members`, `sizes`): in corpus order, a document
+    goes when one of its buckets already holds a kept one, and is kept (marking its buckets) when
+    none does."""
+    if len(members) == 0:
+        return np.empty(0, np.int64)
+    bucket = np.repeat(np.arange(len(sizes)), sizes)
+    order = np.lexsort((bucket, members))
+    doc, bucket = members[order], bucket[order]
+    starts = np.flatnonzero(np.r_[True, doc[1:] != doc[:-1]])
+    ends = np.append(starts[1:], len(doc))
+    has_kept = np.zeros(len(sizes), dtype=bool)
+    removed = []
+    for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+        mine = bucket[s:e]
+        if has_kept[mine].any():
+            removed.append(int(doc[s]))
+        else:
+            has_kept[mine] = True
+    return np.array(removed, dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# write: one run's kept documents into its own shards
+
+
+@dataclass(frozen=True)
+class Write:
+    job: Job
+    moved: tuple[int, str] | None  # (a document, the split it goes to instead): the last one, at times
+
+    def __call__(self, rank: int, world_size: int) -> None:
+        job = self.job
+        with _building(_task_dir(job.root, "write", rank)) as tmp:
+            if tmp is None:
+                return
+            offsets = job.offsets()
+            lo, hi = int(offsets[rank]), int(offsets[rank + 1])
+            keep = np.ones(hi - lo, dtype=bool)
+            for name in ("exact_removed", "near_removed"):
+                keep[_in_range(job.removed(name), lo, hi)] = False
+            is_val = np.asarray(job.docs(rank, "is_val")).copy()
+            if self.moved is not None and lo <= self.moved[0] < hi:
+                is_val[self.moved[0] - lo] = self.moved[1] == "val"
+            lengths = np.asarray(job.docs(rank, "lengths"))
+            dtype = np.dtype(job.setup().dtype)
+            _fault(job, "write", rank)
+            shards = _write_run(tmp, rank, job, keep, is_val, lengths, dtype)
+            (tmp / "shards.pkl").write_bytes(pickle.dumps(shards))
+
+
+def _write_run(
+    tmp: Path, rank: int, job: Job, keep: np.ndarray, is_val: np.ndarray, lengths: np.ndarray, dtype: np.dtype
+) -> dict[str, list[ShardInfo]]:
+    path = _task_dir(job.root, "encode", rank) / "tokens.bin"
+    tokens = np.memmap(path, dtype=dtype, mode="r") if lengths.sum() else np.empty(0, dtype)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    shards = {}
+    for split in SPLITS:
+        writer = ShardWriter(tmp, f"{split}_t{rank:05d}", dtype, shard_tokens=job.shard_tokens)
+        sel = np.flatnonzero(keep & (is_val == (split == "val")))
+        for b in range(0, len(sel), _WRITE_DOCS):
+            docs = sel[b : b + _WRITE_DOCS]
+            parts = [tokens[starts[i] : ends[i]] for i in docs.tolist()]
+            writer.write(np.concatenate(parts) if parts else np.empty(0, dtype), lengths[docs])
+        shards[split] = writer.close()
+    return shards
+
+
+# ---------------------------------------------------------------------------------------------
+# Here, between the stages: what the runs kept, and the last document's split
+
+
+@dataclass
+class Kept:
+    per_run: list[int]
+    last: int | None  # global index of the last kept document
+    last_split: str
+    other_split_empty: bool  # no other kept document is in the split the last one is not in
+
+
+def kept_documents(job: Job) -> Kept:
+    offsets = job.offsets()
+    removed = np.union1d(job.removed("exact_removed"), job.removed("near_removed"))
+    per_run, counts, last, last_val = [], {True: 0, False: 0}, None, False
+    for t in range(job.tasks):
+        lo, hi = int(offsets[t]), int(offsets[t + 1])
+        keep = np.ones(hi - lo, dtype=bool)
+        keep[_in_range(removed, lo, hi)] = False
+        is_val = np.asarray(job.docs(t, "is_val"))
+        per_run.append(int(keep.sum()))
+        for v in (True, False):
+            counts[v] += int((keep & (is_val == v)).sum())
+        if keep.any():
+            i = int(np.flatnonzero(keep)[-1])
+            last, last_val = lo + i, bool(is_val[i])
+    if last is not None:
+        counts[last_val] -= 1
+    return Kept(per_run, last, "val" if last_val else "train", counts[not last_val] == 0)
+
+
+def run_of(job: Job, doc: int) -> tuple[int, int]:
+    """(the run, the index in it) of a global document index."""
+    offsets = job.offsets()
+    t = int(np.searchsorted(offsets, doc, side="right")) - 1
+    return t, doc - int(offsets[t])
+
+
+def name_of(job: Job, doc: int) -> str:
+    t, i = run_of(job, doc)
+    names: list[str] = json.loads((_task_dir(job.root, "encode", t) / "names.json").read_text())
+    return names[i]
+
+
+def text_of(job: Job, doc: int, clean: Any) -> str:
+    """The cleaned text of one document, read again from its run's units."""
+    t, i = run_of(job, doc)
+    units: list[Unit] = pickle.loads((job.root / "plan" / f"t{t:05d}.pkl").read_bytes())
+    cleaner, seen = Cleaner(clean), 0
+    for chunks in _chunk_lists(job.chunking, units):
+        for c in chunks:
+            for d in read_chunk(c, job.chunking[2], cleaner, CleanStats()):
+                if seen == i:
+                    return d.text
+                seen += 1
+    raise DataError(f"document {doc} is not in run {t} any more: its input changed during the prepare")
+
+
+def run_stats(job: Job) -> tuple[CleanStats, float]:
+    stats, cpu = CleanStats(), 0.0
+    for t in range(job.tasks):
+        s, c = pickle.loads((_task_dir(job.root, "encode", t) / "stats.pkl").read_bytes())
+        stats.add(s)
+        cpu += c
+    return stats, cpu
+
+
+def count_removed(job: Job, stats: CleanStats) -> None:
+    """The documents exact and near dedup removed, with their bytes, into `stats`."""
+    offsets = job.offsets()
+    for name, step in (("exact_removed", "exact_duplicate"), ("near_removed", "near_duplicate")):
+        removed = job.removed(name)
+        for t in range(job.tasks):
+            local = _in_range(removed, int(offsets[t]), int(offsets[t + 1]))
+            sizes = np.asarray(job.docs(t, "sizes"))[local]
+            for size in sizes.tolist():
+                stats.remove(step, int(size))
+
+
+def written_shards(job: Job, staging: Path) -> dict[str, list[ShardInfo]]:
+    """Every run's shards, in run order, moved into the dataset's staging directory."""
+    shards: dict[str, list[ShardInfo]] = {s: [] for s in SPLITS}
+    for t in range(job.tasks):
+        d = _task_dir(job.root, "write", t)
+        for split, infos in pickle.loads((d / "shards.pkl").read_bytes()).items():
+            for info in infos:
+                target = staging / info.path.name
+                os.replace(d / info.path.name, target)
+                shards[split].append(replace(info, path=target))
+    return shards
+
+
+def largest_kept(job: Job) -> tuple[int, str, str]:
+    """(tokens, name, split) of the largest kept document."""
+    offsets = job.offsets()
+    removed = np.union1d(job.removed("exact_removed"), job.removed("near_removed"))
+    best, where = 0, None
+    for t in range(job.tasks):
+        lo, hi = int(offsets[t]), int(offsets[t + 1])
+        lengths = np.asarray(job.docs(t, "lengths")).copy()
+        lengths[_in_range(removed, lo, hi)] = -1
+        if len(lengths) and lengths.max() > best:
+            best, where = int(lengths.max()), lo + int(np.argmax(lengths))
+    if where is None:
+        return 0, "", ""
+    t, i = run_of(job, where)
+    split = "val" if bool(job.docs(t, "is_val")[i]) else "train"
+    return best, name_of(job, where), split
+
+
+def one_document(job: Job, doc: int, clean: Any, tok: Tokenizer, val_fraction: float, staging: Path) -> dict:
+    """The one kept document, cut at (1 - val_fraction) of its characters into train and val, as
+    one host's prepare does."""
+    text = text_of(job, doc, clean)
+    cut = int(len(text) * (1 - val_fraction))
+    if not 0 < cut < len(text):
+        raise DataError(f"its one document ({len(text)} characters) is too short to split into train and val")
+    eot = [] if tok.eot_token is None else [tok.eot_token]
+    dtype = dtype_for_vocab(tok.vocab_size)
+    shards = {}
+    for split, part in (("train", text[:cut]), ("val", text[cut:])):
+        writer = ShardWriter(staging, split, dtype, shard_tokens=job.shard_tokens)
+        ids = np.concatenate([tok.encode_array(part), np.array(eot, dtype=np.int64)]).astype(dtype)
+        writer.write(ids, [ids.size])
+        shards[split] = writer.close()
+    return shards
+
+
+class Timer:
+    def __init__(self, log: Callable[[str], None] | None) -> None:
+        self.log, self.t0 = log, time.perf_counter()
+
+    def say(self, what: str) -> None:
+        if self.log:
+            self.log(f"{what} ({time.perf_counter() - self.t0:.1f} s)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver: every stage on data.executor, then the shards and the report for the manifest
+
+
+def build(
+    cfg: DataConfig,
+    tok: Tokenizer,
+    setup: Setup,
+    *,
+    out: Path,
+    staging: Path,
+    inputs: dict[str, Any],
+    log: Callable[[str], None] | None,
+) -> tuple[dict[str, list[ShardInfo]], dict[str, Any], Path]:
+    """Run the stages (each task not already done by an earlier try) and move the written shards
+    into `staging`; returns them, the report and the work directory (removed by the caller once
+    the dataset is in place). The report holds nothing of how or where the tasks ran, so the
+    manifest is the same on every executor."""
+    from pretrain.data.executors import run_stage
+    from pretrain.data.report import manifest_report, split_warnings
+
+    assert cfg.tasks is not None
+    work = work_dir(out)
+    open_work(work, work_key(cfg, inputs, tok))
+    timer = Timer(log)
+    plan(cfg, work, int(inputs.get("bytes") or 0))
+    job = make_job(cfg, work, setup)
+    logs = work / "logs"
+    run_stage(cfg, logs / "encode", "encode", Encode(job), job.tasks, log=log)
+    write_offsets(job)
+    timer.say(f"encoded {cfg.tasks} tasks")
+    if job.exact:
+        run_stage(cfg, logs / "exact", "exact", Exact(job), job.tasks, log=log)
+        gather_removed(job, "exact", job.tasks, "exact_removed")
+    if job.near:
+        n_bands = len(job.hashranges) * job.parts
+        run_stage(cfg, logs / "bands", "bands", Bands(job), n_bands, log=log)
+        run_stage(cfg, logs / "clusters", "clusters", Clusters(job), 1, log=log)
+        gather_removed(job, "clusters", 1, "near_removed")
+    if job.exact or job.near:
+        timer.say("deduplicated across every task")
+    kept = kept_documents(job)
+    if kept.last is None:
+        stats, _ = run_stats(job)
+        count_removed(job, stats)
+        from pretrain.data.report import stats_line
+
+        raise DataError(f"{cfg.corpus}: no document left after cleaning and filtering ({stats_line(stats)})")
+    notes: list[str] = []
+    if sum(kept.per_run) == 1:
+        shards = one_document(job, kept.last, cfg.clean, tok, cfg.val_fraction, staging)
+        notes.append("one document: cut at characters into train and val")
+    else:
+        moved = None
+        if kept.other_split_empty:
+            other = "val" if kept.last_split == "train" else "train"
+            moved = (kept.last, other)
+            notes.append(
+                f"no document hashed to {other}; the last one ({name_of(job, kept.last)}) went there"
+            )
+        run_stage(cfg, logs / "write", "write", Write(job, moved), job.tasks, log=log)
+        shards = written_shards(job, staging)
+    own_val = (inputs.get("val") or {}).get("split")
+    if own_val:
+        notes.insert(0, f"val is the dataset's own {own_val!r} split (data.val_fraction not used)")
+    stats, _cpu = run_stats(job)
+    count_removed(job, stats)
+    kept_n = sum(kept.per_run)
+    bytes_out = _bytes_out(job)
+    report = manifest_report(
+        stats, cfg.clean, kept=kept_n, bytes_out=bytes_out, notes=notes, shards=shards, seconds=0
+    )
+    del report["seconds"]  # of this try, not of the dataset: the log says it
+    report["tasks"] = cfg.tasks
+    report["warnings"] = (
+        []
+        if own_val
+        else split_warnings(cfg, tokens=report["tokens"], kept=kept_n, largest=largest_kept(job))
+    )
+    timer.say(f"wrote {sum(len(s) for s in shards.values())} shards")
+    return shards, report, work
+
+
+def _bytes_out(job: Job) -> int:
+    offsets = job.offsets()
+    removed = np.union1d(job.removed("exact_removed"), job.removed("near_removed"))
+    total = 0
+    for t in range(job.tasks):
+        sizes = np.asarray(job.docs(t, "sizes")).copy()
+        sizes[_in_range(removed, int(offsets[t]), int(offsets[t + 1]))] = 0
+        total += int(sizes.sum())
+    return total

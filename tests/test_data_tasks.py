@@ -1,0 +1,206 @@
+"""`data.tasks`: a prepare as many tasks on the local executor gives one host's token stream and
+kept set, dedup across task boundaries included; the same dataset for any number of workers; a task
+killed by SIGKILL is run again alone by the same command, which then gives the same dataset."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pretrain.config.tree import DataConfig, validate
+from pretrain.data.dataset import load_manifest
+from pretrain.data.prepare import prepare
+from pretrain.data.shards import open_shard
+from pretrain.data.tasks import FAULT_KILL, _buckets, near_removed, work_dir
+from pretrain.errors import ConfigError, DataError
+from tests.conftest import GPT2_DIR, TINY_SHAKESPEARE
+
+WORDS = [f"w{i}" for i in range(2000)]
+
+
+def _doc(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(200))
+
+
+def _near(rng: random.Random, text: str) -> str:
+    words = text.split()
+    words[rng.randrange(len(words))] = "changed"
+    return " ".join(words)
+
+
+def write_corpus(d: Path, seed: int = 7) -> int:
+    """Three JSON Lines files and a gzipped one in `d`. The later files hold near copies (one word
+    of 200 changed) and exact copies of documents of the first (another task's); one file, near
+    copies of its own too. Returns the number of near copies."""
+    rng = random.Random(seed)
+    first = [_doc(rng) for _ in range(150)]
+    files: list[list[str]] = [first, [_doc(rng) for _ in range(150)], [_doc(rng) for _ in range(150)]]
+    planted = 0
+    for docs in files[1:]:
+        for _ in range(20):
+            docs.insert(rng.randrange(len(docs)), _near(rng, rng.choice(first)))
+            planted += 1
+        for _ in range(5):
+            docs.insert(rng.randrange(len(docs)), rng.choice(first))
+    for k in range(15):  # within a file
+        files[1].insert(rng.randrange(len(files[1])), _near(rng, files[1][k]))
+    last = [_doc(rng) for _ in range(100)] + [_near(rng, d) for d in first[:10]]
+    for i, docs in enumerate(files):
+        (d / f"part{i}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    with gzip.open(d / "part3.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in last)
+    return planted + 15 + 10
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    d = tmp_path_factory.mktemp("tasks_corpus")
+    return d, write_corpus(d)
+
+
+def dataset_files(d: Path) -> dict[str, bytes]:
+    """Every file of a dataset (shards, manifest, tokenizer), by name."""
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if not p.name.startswith(".")}
+
+
+def data_config(corpus: Path, out: Path, **over: object) -> dict[str, object]:
+    """The data section these tests prepare with: GPT-2's ranks offline, small chunks, near dedup on."""
+    return {
+        "corpus": str(corpus),
+        "tokenizer": "gpt2",
+        "tokenizer_path": str(GPT2_DIR),
+        "dataset_dir": str(out),
+        "chunk_bytes": 8192,
+        "clean": {"near_dedup": True},
+        "workers": 0,
+        **over,
+    }
+
+
+def _cfg(corpus: Path, out: Path, **over: object) -> DataConfig:
+    return DataConfig.model_validate(data_config(corpus, out, **over))
+
+
+def _stream(d: Path) -> dict[str, np.ndarray]:
+    m = load_manifest(d)
+    return {
+        s: np.concatenate([np.asarray(open_shard(d / e["path"])) for e in m[s]]) for s in ("train", "val")
+    }
+
+
+@pytest.fixture(scope="module")
+def one_host(corpus: tuple[Path, int], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return prepare(_cfg(corpus[0], tmp_path_factory.mktemp("one_host") / "ds"))
+
+
+@pytest.fixture(scope="module")
+def four_tasks(corpus: tuple[Path, int], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("four") / "ds"
+    return prepare(_cfg(corpus[0], out, tasks=4, executor="local", workers=2))
+
+
+def test_four_tasks_give_one_hosts_token_stream_and_kept_set(corpus, one_host, four_tasks):
+    ref, got = load_manifest(one_host), load_manifest(four_tasks)
+    removed = ref["report"]["removed"]
+    # The near copies go, those of another task's documents too (LSH may miss one: J = 0.95 is
+    # found with p = 0.998), and the exact ones.
+    assert removed["near_duplicate"]["documents"] >= corpus[1] - 3
+    assert removed["exact_duplicate"]["documents"] >= 10
+    assert got["report"]["removed"] == removed
+    assert got["report"]["documents_out"] == ref["report"]["documents_out"]
+    for split, tokens in _stream(one_host).items():
+        assert np.array_equal(_stream(four_tasks)[split], tokens), split
+    assert {Path(e["path"]).name.split("_")[1] for e in got["train"]} == {
+        "t00000",
+        "t00001",
+        "t00002",
+        "t00003",
+    }
+    assert not work_dir(four_tasks).exists()  # the tasks' own files go once the dataset is in place
+
+
+def test_the_same_dataset_for_any_number_of_workers(corpus, four_tasks, tmp_path):
+    again = prepare(_cfg(corpus[0], tmp_path / "ds", tasks=4, executor="local", workers=0))
+    assert dataset_files(again) == dataset_files(four_tasks)
+
+
+def test_one_document_and_an_empty_split_as_one_host_cuts_them(tmp_path):
+    # tinyshakespeare is one document: cut 90/10 by characters. Two documents, val_fraction 0.01:
+    # none hashes to val, so the last one goes there.
+    (tmp_path / "two").mkdir()
+    (tmp_path / "two" / "a.txt").write_text("first document " * 50)
+    (tmp_path / "two" / "b.txt").write_text("second document " * 50)
+    for corpus, over in ((TINY_SHAKESPEARE, {}), (tmp_path / "two", {"val_fraction": 0.01})):
+        one = prepare(_cfg(corpus, tmp_path / f"one-{Path(corpus).name}", **over))
+        three = prepare(_cfg(corpus, tmp_path / f"three-{Path(corpus).name}", tasks=3, **over))
+        for split, tokens in _stream(one).items():
+            assert np.array_equal(_stream(three)[split], tokens), (corpus, split)
+        assert load_manifest(three)["report"]["notes"] == load_manifest(one)["report"]["notes"]
+
+
+@pytest.mark.parametrize("stage", ["encode:2", "write:1"])
+def test_a_task_killed_mid_way_runs_again_alone_and_gives_the_same_dataset(
+    corpus, four_tasks, tmp_path, monkeypatch, stage
+):
+    out = tmp_path / "ds"
+    cfg = _cfg(corpus[0], out, tasks=4, executor="local", workers=2)
+    monkeypatch.setenv(FAULT_KILL, stage)
+    with pytest.raises(DataError) as e:
+        prepare(cfg)
+    name, rank = stage.split(":")
+    assert name in str(e.value) and rank in str(e.value)
+    assert not out.exists()  # nothing under the dataset's name
+    work = work_dir(out)
+    done = {p.name: p.stat().st_ino for p in (work / "encode").iterdir() if ".tmp-" not in p.name}
+    assert len(done) == (3 if name == "encode" else 4)
+    monkeypatch.delenv(FAULT_KILL)
+    said: list[str] = []
+    prepare(cfg, log=said.append)
+    assert dataset_files(out) == dataset_files(four_tasks)  # byte for byte: shards and manifest
+    # Only what had not finished ran again: the killed task, and the stages after it.
+    if name == "encode":
+        assert "stage encode: 1 of 4 tasks to run on this host (3 done before)" in said
+    else:
+        assert not [
+            line for line in said if re.match(r"stage (encode|exact|bands|clusters): [1-9]\d* of", line)
+        ]
+        assert "stage write: 1 of 4 tasks to run on this host (3 done before)" in said
+
+
+def test_near_dedup_across_buckets_keeps_what_one_hosts_lsh_keeps():
+    """20,000 documents in clusters and chains of near copies: the buckets' verdict, band by band,
+    equals one host's MinHashLSH queried and filled in corpus order (dedup.NearDedup)."""
+    from datasketch import MinHashLSH
+
+    from pretrain.data.dedup import NearDedup
+
+    rng = np.random.default_rng(3)
+    perms, n = 128, 20_000
+    sigs = rng.integers(0, 2**32, size=(n, perms), dtype=np.uint64).astype(np.uint32)
+    for i in range(1, n):  # chains: a copy of the one before with some values changed
+        if rng.random() < 0.3:
+            sigs[i] = sigs[i - 1]
+            sigs[i, rng.choice(perms, size=int(rng.integers(1, 100)), replace=False)] = rng.integers(0, 2**32)
+    one_host = NearDedup(0.8, perms)
+    expected = [i for i in range(n) if one_host.seen(i, sigs[i])]
+    members, sizes = [], []
+    for start, end in MinHashLSH(threshold=0.8, num_perm=perms).hashranges:
+        m, s = _buckets(sigs[:, start:end], np.arange(n))
+        members.append(m)
+        sizes.append(s)
+    got = near_removed(np.concatenate(members), np.concatenate(sizes))
+    assert 1000 < len(expected) < n // 2
+    assert got.tolist() == expected
+
+
+def test_the_executor_fields_are_checked_together():
+    with pytest.raises(ConfigError) as e:
+        validate({"data": {"executor": "slurm", "slurm": {"time": "soon"}}})
+    text = str(e.value)
+    assert "set data.tasks" in text and "data.slurm.time 'soon'" in text
