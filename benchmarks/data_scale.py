@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing.forkserver
 import os
 import random
 import resource
@@ -84,7 +85,13 @@ def one_prepare(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = DataConfig.model_validate(spec)
     t0, c0 = time.perf_counter(), os.times()
     out = prepare(cfg, force=True)
-    seconds, c1 = time.perf_counter() - t0, os.times()
+    seconds = time.perf_counter() - t0
+    # The worker and task processes are the fork server's children: it reaps them, and once it is
+    # stopped and reaped here, their CPU time and peak RSS count in this process's RUSAGE_CHILDREN.
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    if server is not None and getattr(server, "_forkserver_pid", None):
+        server._stop()
+    c1 = os.times()
     m = load_manifest(out)
     cpu = (c1.user - c0.user) + (c1.system - c0.system) + (c1.children_user - c0.children_user)
     cpu += c1.children_system - c0.children_system
@@ -219,6 +226,19 @@ def dedup_memory(corpus: Path, work: Path) -> None:
     )
     for stage, (peak, docs) in figures.items():
         print(f"| {stage} | {peak / 1e6:.1f} MB | {docs:,.0f} | {peak / max(docs, 1):.0f} |")
+    # One host's index (dedup.NearDedup, datasketch's MinHashLSH), fed the same signatures in order.
+    from pretrain.data.dedup import NearDedup
+
+    index = NearDedup(cfg.clean.near_dedup_threshold, cfg.clean.minhash_perms)
+    use = [np.flatnonzero(np.asarray(job.docs(t, "has_shingles"))) for t in range(n_tasks)]
+    sigs = np.concatenate([np.asarray(job.signatures(t))[u] for t, u in enumerate(use)])
+    t0 = time.perf_counter()
+    peak = _peak(lambda: [index.seen(i, sigs[i]) for i in range(len(sigs))])
+    per = (time.perf_counter() - t0) / len(sigs)
+    print(
+        f"| one host's NearDedup (MinHashLSH), for comparison | {peak / 1e6:.1f} MB | {index.size:,} kept | "
+        f"{peak / max(index.size, 1):.0f} (and {per * 1e6:.0f} us of one core per document) |"
+    )
     print(
         f"\n{candidates:,} documents ({candidates / n:.1%}) are in a bucket of two or more; "
         f"{members:,} bucket memberships in all; near duplicates removed: {len(job.removed('near_removed')):,}"

@@ -32,6 +32,7 @@ from pretrain.config.tree import DataConfig
 from pretrain.data.prepare import prepare
 from tests.cluster import IFNAME, Cluster, slurm_unavailable, unavailable
 from tests.conftest import ROOT, TINY_SHAKESPEARE, subprocess_env
+from tests.stage_steps import runs
 from tests.test_data_tasks import data_config, dataset_files, write_corpus
 
 pytestmark = pytest.mark.distributed
@@ -471,6 +472,15 @@ def test_data_stage_on_ray_with_two_nodes(cluster, local_tasks, tmp_path):
         res = run_stage_on(cluster, 0, data, logs, out, env)
         assert check_stage(out, logs, res) == {"node1", "node2"}
         assert res.stdout.splitlines()[-1] == f"stage encode: {STAGE_TASKS}/{STAGE_TASKS} tasks done"
+        # A task killed by SIGKILL in its Ray worker: named, without a hang, and run again alone.
+        killed, again = tmp_path / "killed", tmp_path / "again"
+        killed.mkdir()
+        res = run_stage_on(cluster, 0, data, again, killed, env, step_args=", kill_rank=2")
+        assert (
+            res.returncode == 1 and "1 of 4 tasks did not complete: rank 2 (its Ray worker died" in res.stdout
+        )
+        res = run_stage_on(cluster, 0, data, again, killed, env)
+        assert check_stage(killed, again, res) and runs(killed, 2) == 2 and runs(killed, 0) == 1
         corpus, local = local_tasks  # a whole prepare: the local executor's dataset, byte for byte
         res = prepare_on(
             cluster, 0, corpus, tmp_path / "ds", env, executor="ray", ray={"address": "10.77.0.1:6390"}

@@ -5,9 +5,9 @@ The rules across these fields are in `engine_problems`, reported with the rest o
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from pretrain.config.section import Section
 
@@ -29,6 +29,12 @@ class SlurmSection(Section):
         2.0, gt=0.0, description="Memory per CPU of each task in GB (--mem-per-cpu)."
     )
     qos: str | None = Field(None, min_length=1, description="Quality of service (sbatch --qos); None: none.")
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _minutes(cls, value: Any) -> Any:
+        """`--set data.slurm.time=240` reads as a number: Slurm's minutes."""
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 class RaySection(Section):

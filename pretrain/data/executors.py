@@ -15,9 +15,12 @@ in one DataError once every other task of the stage has run.
 - slurm: one job array per stage, submitted with sbatch from this host (a login node), and waited
   for. The compute nodes run this interpreter with this process's import paths, so they must see
   the same file system at the same paths: the venv, the code, `logs` and the dataset.
-- ray: Ray tasks on the cluster at `data.ray.address` (or on a Ray instance started here for the
-  stage), its workers started with this interpreter and this process's import paths: the nodes
-  share the file system, as for Slurm. Usage stats and the dashboard are off.
+- ray: a Ray task per task on the cluster at `data.ray.address` (or on a Ray instance started here
+  for the stage), each running the executor's per-task entry as the local tasks do, never retried:
+  datatrove's RayPipelineExecutor runs its ranks in a process pool inside an actor, which waits
+  forever for a rank whose process was killed. Its workers start with this interpreter and this
+  process's import paths: the nodes share the file system, as for Slurm. Usage stats and the
+  dashboard are off.
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 from datatrove.executor.local import LocalPipelineExecutor
-from datatrove.executor.ray import RayPipelineExecutor
 from datatrove.executor.slurm import SlurmPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 from loguru import logger
@@ -466,18 +468,53 @@ def _run_ray(data: DataConfig, logs: Path, stage: str, step: Step, tasks: int, s
             ) from None
     _progress(say, stage, tasks, tasks - len(todo), len(todo), "on Ray")
     try:
-        with _datatrove_quiet():
-            RayPipelineExecutor(
-                pipeline=[StageStep(step)],
-                tasks=tasks,
-                workers=data.workers or -1,
-                logging_dir=str(logs),
-                skip_completed=True,
-                cpus_per_task=data.ray.cpus_per_task,
-                mem_per_cpu_gb=0,  # no memory reserved per task: the cluster's CPUs bound the tasks at once
-                ray_remote_kwargs={"runtime_env": runtime_env},
-            ).run()
+        task = ray.remote(_ray_task).options(
+            num_cpus=data.ray.cpus_per_task, max_retries=0, runtime_env=runtime_env
+        )
+        return _ray_wait(ray, task, data.workers or len(todo), logs, stage, step, tasks, todo, say)
     finally:
         if started:
             ray.shutdown()
-    return {}
+
+
+def _ray_task(step: Step, tasks: int, logs: str, rank: int) -> None:
+    """One task in a Ray worker process: datatrove's own per-rank entry (log, stats, completion marker).
+    Not datatrove's RayPipelineExecutor: it runs each rank in a process pool inside an actor, and that
+    pool waits forever for a rank whose process was killed (kill -9, the out-of-memory killer)."""
+    _run_task(step, tasks, Path(logs), rank)
+
+
+def _ray_wait(
+    ray: Any, task: Any, n: int, logs: Path, stage: str, step: Step, tasks: int, todo: list[int], say: Log
+) -> dict[int, str]:
+    """The tasks on Ray, `n` at once (data.workers; None: all), none retried: a failed one is named with
+    what it raised, a killed one as killed."""
+    pending = list(reversed(todo))
+    running: dict[Any, int] = {}
+    failed: dict[int, str] = {}
+    done, shown = tasks - len(todo), time.monotonic()
+    try:
+        while pending or running:
+            while pending and len(running) < n:
+                rank = pending.pop()
+                running[task.remote(step, tasks, str(logs), rank)] = rank
+            ready, _ = ray.wait(list(running), num_returns=1)
+            for ref in ready:
+                rank = running.pop(ref)
+                try:
+                    ray.get(ref)
+                    done += 1
+                except ray.exceptions.RayTaskError as e:
+                    failed[rank] = _summary(e.cause) if e.cause is not None else "it raised"
+                except ray.exceptions.RayError as e:  # its worker died: a signal, the OOM killer, a lost node
+                    failed[rank] = f"its Ray worker died ({type(e).__name__}), out of memory?"
+                if rank in failed:
+                    say(f"stage {stage}: task {rank} did not complete ({failed[rank]}), the others go on")
+            if time.monotonic() - shown >= PROGRESS_S:
+                say(f"stage {stage}: {done}/{tasks} tasks done")
+                shown = time.monotonic()
+    finally:
+        for ref in running:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref, force=True)
+    return failed

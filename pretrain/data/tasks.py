@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import pickle
@@ -56,7 +57,7 @@ from pretrain.files import short_name
 
 WORK_VERSION = 1
 FAULT_KILL = "PRETRAIN_FAULT_KILL_TASK"  # "STAGE:RANK": that task SIGKILLs itself, the first time only
-_WRITE_DOCS = 1 << 16  # documents a write task copies at a time: its memory stays flat
+_WRITE_TOKENS = 1 << 22  # tokens a write task copies at a time: its memory stays flat
 
 
 @dataclass(frozen=True)
@@ -298,15 +299,19 @@ class Encode:
             units: list[Unit] = pickle.loads((job.root / "plan" / f"t{rank:05d}.pkl").read_bytes())
             init_worker(job.setup())
             table: dict[str, list[np.ndarray]] = {k: [] for k in _TABLE}
-            stats, names, cpu = CleanStats(), [], 0.0
-            with open(tmp / "tokens.bin", "wb") as tokens, open(tmp / "sig.bin", "wb") as sig:
+            stats, cpu = CleanStats(), 0.0
+            with (
+                open(tmp / "tokens.bin", "wb") as tokens,
+                open(tmp / "sig.bin", "wb") as sig,
+                open(tmp / "names.jsonl", "w") as names,
+            ):
                 for i, chunks in enumerate(_chunk_lists(job.chunking, units)):
                     if i == 1:
                         _fault(job, "encode", rank)
                     r = encode_task(chunks)
                     stats.add(r.stats)
                     cpu += r.cpu_s
-                    names += r.names
+                    names.writelines(json.dumps(name) + "\n" for name in r.names)
                     tokens.write(r.tokens.tobytes())
                     if r.signatures is not None:
                         sig.write(np.ascontiguousarray(r.signatures, dtype=np.uint32).tobytes())
@@ -315,7 +320,6 @@ class Encode:
             _fault(job, "encode", rank)
             for k, parts in table.items():
                 np.save(tmp / f"{k}.npy", np.concatenate(parts) if parts else _empty(k))
-            (tmp / "names.json").write_text(json.dumps(names))
             (tmp / "stats.pkl").write_bytes(pickle.dumps((stats, cpu)))
 
 
@@ -505,10 +509,12 @@ def _write_run(
     for split in SPLITS:
         writer = ShardWriter(tmp, f"{split}_t{rank:05d}", dtype, shard_tokens=job.shard_tokens)
         sel = np.flatnonzero(keep & (is_val == (split == "val")))
-        for b in range(0, len(sel), _WRITE_DOCS):
-            docs = sel[b : b + _WRITE_DOCS]
+        # Batches of about _WRITE_TOKENS tokens (a longer document alone): memory flat in the run's size.
+        cut = np.flatnonzero(np.diff(np.cumsum(lengths[sel]) // _WRITE_TOKENS)) + 1
+        for docs in np.split(sel, cut):
             parts = [tokens[starts[i] : ends[i]] for i in docs.tolist()]
-            writer.write(np.concatenate(parts) if parts else np.empty(0, dtype), lengths[docs])
+            if parts:
+                writer.write(np.concatenate(parts), lengths[docs])
         shards[split] = writer.close()
     return shards
 
@@ -554,8 +560,9 @@ def run_of(job: Job, doc: int) -> tuple[int, int]:
 
 def name_of(job: Job, doc: int) -> str:
     t, i = run_of(job, doc)
-    names: list[str] = json.loads((_task_dir(job.root, "encode", t) / "names.json").read_text())
-    return names[i]
+    with open(_task_dir(job.root, "encode", t) / "names.jsonl") as f:
+        name: str = json.loads(next(itertools.islice(f, i, None)))
+    return name
 
 
 def text_of(job: Job, doc: int, clean: Any) -> str:
@@ -588,9 +595,10 @@ def count_removed(job: Job, stats: CleanStats) -> None:
         removed = job.removed(name)
         for t in range(job.tasks):
             local = _in_range(removed, int(offsets[t]), int(offsets[t + 1]))
-            sizes = np.asarray(job.docs(t, "sizes"))[local]
-            for size in sizes.tolist():
-                stats.remove(step, int(size))
+            if len(local):
+                entry = stats.removed.setdefault(step, [0, 0])
+                entry[0] += len(local)
+                entry[1] += int(np.asarray(job.docs(t, "sizes"))[local].sum())
 
 
 def written_shards(job: Job, staging: Path) -> dict[str, list[ShardInfo]]:
