@@ -7,7 +7,7 @@ its peak RSS (and its task processes' peak, RUSAGE_CHILDREN) is its own.
 1. Throughput: the same corpus (--mb) prepared as one host does it (data.tasks unset, data.workers
    2), and as data.tasks 1, 4 and 16 on the local executor with data.workers 1 and 2: wall
    seconds, MB/s of document text, CPU seconds per MB (the prepare's process and its tasks'), and
-   the peak RSS of the prepare's process and of its largest task process. Exact and near dedup on.
+   the peak RSS of the prepare's process and of its largest worker or task process (sampled). Exact and near dedup on.
 2. Memory against corpus size (--sizes, MB): data.tasks grows with the corpus (one task per 25 MB),
    as a real prepare's does; the peak RSS of the prepare's process and of its largest task process
    must stay flat.
@@ -25,6 +25,7 @@ come from tests/data/tokenizers. Nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing.forkserver
 import os
@@ -32,6 +33,7 @@ import random
 import resource
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -76,6 +78,43 @@ def build_corpus(path: Path, megabytes: int, seed: int = 0) -> Path:
     return path
 
 
+class TaskPeak:
+    """The largest RSS of any worker or task process under this one, sampled every 0.1 s from /proc
+    (their own ru_maxrss would count what the fork server held when it was forked from here, which
+    Linux keeps across exec). The fork server and multiprocessing's resource tracker are left out."""
+
+    def __init__(self) -> None:
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        page, me = os.sysconf("SC_PAGE_SIZE"), os.getpid()
+        while not self._stop.wait(0.1):
+            parents: dict[int, int] = {}
+            for d in Path("/proc").glob("[0-9]*"):
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            mine = {me}
+            for _ in range(4):  # children, grandchildren, ...
+                mine |= {p for p, pp in parents.items() if pp in mine}
+            for pid in mine - {me}:
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    # The server itself (a child of this process): those it forks share its command line.
+                    if parents[pid] == me and (
+                        b"forkserver import main" in cmd or b"resource_tracker" in cmd
+                    ):
+                        continue
+                    rss = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
+                    self.peak = max(self.peak, rss)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
 def one_prepare(spec: dict[str, Any]) -> dict[str, Any]:
     """One prepare in this process (the --one mode): its seconds and peak memory."""
     from pretrain.config.tree import DataConfig
@@ -83,11 +122,11 @@ def one_prepare(spec: dict[str, Any]) -> dict[str, Any]:
     from pretrain.data.prepare import prepare
 
     cfg = DataConfig.model_validate(spec)
-    t0, c0 = time.perf_counter(), os.times()
+    t0, c0, tasks = time.perf_counter(), os.times(), TaskPeak()
     out = prepare(cfg, force=True)
-    seconds = time.perf_counter() - t0
+    seconds, task_peak = time.perf_counter() - t0, tasks.stop()
     # The worker and task processes are the fork server's children: it reaps them, and once it is
-    # stopped and reaped here, their CPU time and peak RSS count in this process's RUSAGE_CHILDREN.
+    # stopped and reaped here, their CPU time counts in this process's RUSAGE_CHILDREN.
     server = getattr(multiprocessing.forkserver, "_forkserver", None)
     if server is not None and getattr(server, "_forkserver_pid", None):
         server._stop()
@@ -102,7 +141,7 @@ def one_prepare(spec: dict[str, Any]) -> dict[str, Any]:
         "documents_in": m["report"]["documents_in"],
         "removed": {k: v["documents"] for k, v in m["report"]["removed"].items()},
         "rss_main_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "rss_task_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+        "rss_task_mb": task_peak / 2**20,
     }
 
 

@@ -296,6 +296,8 @@ class Cluster:
             f"SlurmctldLogFile={d}/slurmctld.log\nSlurmdLogFile={d}/slurmd-%n.log\n"
             "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nJobAcctGatherType=jobacct_gather/none\n"
             "SelectType=select/cons_tres\nSelectTypeParameters=CR_Core\nMpiDefault=none\nReturnToService=2\n"
+            # Jobs start as soon as they are submitted (batch_sched_delay defaults to 3 s).
+            "SchedulerParameters=batch_sched_delay=0\n"
             f"{nodes}PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n"
         )
         env = self.env(SLURM_CONF=str(conf))

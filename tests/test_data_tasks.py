@@ -105,7 +105,7 @@ def four_tasks(corpus: tuple[Path, int], tmp_path_factory: pytest.TempPathFactor
     return prepare(_cfg(corpus[0], out, tasks=4, executor="local", workers=2))
 
 
-def test_four_tasks_give_one_hosts_token_stream_and_kept_set(corpus, one_host, four_tasks):
+def test_four_tasks_give_one_hosts_token_stream_and_kept_set(corpus, one_host, four_tasks, tmp_path):
     ref, got = load_manifest(one_host), load_manifest(four_tasks)
     removed = ref["report"]["removed"]
     # The near copies go, those of another task's documents too (LSH may miss one: J = 0.95 is
@@ -114,8 +114,10 @@ def test_four_tasks_give_one_hosts_token_stream_and_kept_set(corpus, one_host, f
     assert removed["exact_duplicate"]["documents"] >= 10
     assert got["report"]["removed"] == removed
     assert got["report"]["documents_out"] == ref["report"]["documents_out"]
+    one_task = prepare(_cfg(corpus[0], tmp_path / "one", tasks=1))
     for split, tokens in _stream(one_host).items():
         assert np.array_equal(_stream(four_tasks)[split], tokens), split
+        assert np.array_equal(_stream(one_task)[split], tokens), split
     assert {Path(e["path"]).name.split("_")[1] for e in got["train"]} == {
         "t00000",
         "t00001",

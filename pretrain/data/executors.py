@@ -225,13 +225,16 @@ def _exit_with_main(main: multiprocessing.connection.Connection) -> None:
     os._exit(1)
 
 
-def _mp_context() -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
-    """Not fork: the caller may hold threads. A fork server that has imported this module starts each
-    task's process in milliseconds; spawn where there is none."""
+def _mp_context(
+    step: Step,
+) -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
+    """Not fork: the caller may hold threads. A fork server that has imported this module and the
+    step's (the first time it starts) starts each task's process in milliseconds, imports done;
+    spawn where there is none."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    ctx.set_forkserver_preload([__name__, type(step).__module__])
     if threading.current_thread() is threading.main_thread():
         # Started with SIGINT ignored, the fork server and every process it forks ignore it from birth:
         # a Ctrl-C to the process group is the main process's alone, even while a task's process starts.
@@ -277,7 +280,7 @@ def _run_processes(
 ) -> dict[int, str]:
     """The tasks in processes of their own, `n` at once. A task that fails or is killed is noted and the
     others go on; a Ctrl-C (or any error here) stops every task's process before it is raised."""
-    ctx = _mp_context()
+    ctx = _mp_context(step)
     pending = list(reversed(todo))
     running: dict[int, tuple[multiprocessing.process.BaseProcess, multiprocessing.connection.Connection]] = {}
     failed: dict[int, str] = {}
