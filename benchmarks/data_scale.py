@@ -31,6 +31,7 @@ import multiprocessing.forkserver
 import os
 import random
 import resource
+import shutil
 import subprocess
 import sys
 import threading
@@ -222,7 +223,8 @@ def dedup_memory(corpus: Path, work: Path) -> None:
         }
     )
     root = work / "dedup-work"
-    root.mkdir(exist_ok=True)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir()
     tok = TiktokenTokenizer(str(GPT2))
     setup = Setup(cfg.clean, cfg.text_field, cfg.seed, cfg.val_fraction, tok, "uint16")
     T.plan(cfg, root, corpus.stat().st_size)
@@ -234,29 +236,30 @@ def dedup_memory(corpus: Path, work: Path) -> None:
     for p in range(n_tasks):
         T.Exact(job)(p, n_tasks)
     T.gather_removed(job, "exact", n_tasks, "exact_removed")
-    n_bands = len(job.hashranges) * job.parts
-    for j in range(n_bands):
-        T.Bands(job)(j, n_bands)
+    for j in range(n_tasks):
+        T.Bands(job)(j, n_tasks)
     T.Clusters(job)(0, 1)
     T.gather_removed(job, "clusters", 1, "near_removed")
-    members = sum(len(np.load(T._task_dir(root, "bands", j) / "members.npy")) for j in range(n_bands))
-    candidates = len(
-        np.unique(
-            np.concatenate([np.load(T._task_dir(root, "bands", j) / "members.npy") for j in range(n_bands)])
-        )
-    )
+    found = [np.load(T._task_dir(root, "bands", j) / "members.npy") for j in range(n_tasks)]
+    members, candidates = sum(len(m) for m in found), len(np.unique(np.concatenate(found)))
     # Each stage's first task again, measured (its directory removed first).
-    import shutil
-
     figures = {}
     for stage, step, rank, world, docs in (
         ("exact (1 of 8 parts)", T.Exact(job), 0, n_tasks, n / n_tasks),
-        (f"bands (1 of {n_bands} parts)", T.Bands(job), 0, n_bands, n / job.parts),
+        (
+            f"bands (one band's part, 1 of {len(job.hashranges) * job.parts})",
+            T.Bands(job),
+            0,
+            -1,
+            n / job.parts,
+        ),
         ("clusters (all)", T.Clusters(job), 0, 1, candidates),
     ):
-        name = stage.split()[0]
-        shutil.rmtree(T._task_dir(root, name, rank))
-        figures[stage] = (_peak(lambda s=step, r=rank, w=world: s(r, w)), docs)
+        if world == -1:  # one band part alone (a task runs its parts one after the other)
+            figures[stage] = (_peak(lambda s=step: s.band_part(0)), docs)
+        else:
+            shutil.rmtree(T._task_dir(root, stage.split()[0], rank))
+            figures[stage] = (_peak(lambda s=step, r=rank, w=world: s(r, w)), docs)
     print(
         f"\n## 3. Dedup memory, {n:,} documents, {n_tasks} runs, {len(job.hashranges)} bands x {job.parts} parts\n"
     )

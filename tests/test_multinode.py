@@ -30,9 +30,9 @@ import pytest
 
 from pretrain.config.tree import DataConfig
 from pretrain.data.prepare import prepare
+from pretrain.data.tasks import FAULT_KILL
 from tests.cluster import IFNAME, Cluster, slurm_unavailable, unavailable
 from tests.conftest import ROOT, TINY_SHAKESPEARE, subprocess_env
-from tests.stage_steps import runs
 from tests.test_data_tasks import data_config, dataset_files, write_corpus
 
 pytestmark = pytest.mark.distributed
@@ -396,41 +396,39 @@ def check_stage(out: Path, logs: Path, res: subprocess.CompletedProcess[str]) ->
     return {row[2] for row in rows}
 
 
-def test_data_stage_on_a_real_two_node_slurm(cluster, local_tasks, tmp_path):
-    """run_stage with data.executor 'slurm' submits a job array from node1 and waits for it: every
-    task's output and completion marker is there when it returns."""
+def batch_jobs(cluster: Cluster) -> dict[str, int]:
+    """How many batch jobs (array tasks) each host's slurmd has launched so far."""
+    log = cluster.dir / "slurm"
+    return {
+        h.name: (log / f"slurmd-{h.name}.log").read_text().count("Launching batch job") for h in cluster.hosts
+    }
+
+
+def test_data_prepare_on_a_real_two_node_slurm(cluster, local_tasks, tmp_path):
+    """`data prepare` with data.executor 'slurm' from node1, every stage a job array over both nodes.
+    A task killed mid-way is named with its log and Slurm's output, and nothing is left under the
+    dataset's name; the same command again runs that task alone, then the other stages, and gives
+    the local executor's dataset, byte for byte."""
     reason = slurm_unavailable()
     if reason:
         pytest.skip(f"real Slurm: {reason}")
-    conf = cluster.start_slurm()
-    out, logs = tmp_path / "out", tmp_path / "logs"
-    out.mkdir()
-    data = {
-        "executor": "slurm",
-        "tasks": STAGE_TASKS,
-        "slurm": {"time": "5:00", "mem_per_cpu_gb": 0.001},
-    }
-    res = run_stage_on(cluster, 0, data, logs, out, cluster.env(SLURM_CONF=str(conf)))
-    # Four one-CPU tasks on two nodes of two CPUs each: Slurm starts them at once, on both nodes.
-    assert check_stage(out, logs, res) == {"node1", "node2"}
-    assert res.stdout.splitlines()[-1] == f"stage encode: {STAGE_TASKS}/{STAGE_TASKS} tasks done"
-    # A whole prepare, every stage a job array: the local executor's dataset, byte for byte.
+    env = cluster.env(SLURM_CONF=str(cluster.start_slurm()))
     corpus, local = local_tasks
-    res = prepare_on(cluster, 0, corpus, tmp_path / "ds", cluster.env(SLURM_CONF=str(conf)), executor="slurm",
-                     slurm={"time": "5:00", "mem_per_cpu_gb": 0.001})  # fmt: skip
-    assert res.returncode == 0, res.stdout[-4000:]
-    assert dataset_files(tmp_path / "ds") == dataset_files(local)
-    # A task that raises: the others complete, and the error names it, its log and Slurm's output.
-    failing = tmp_path / "failing"
-    res = run_stage_on(
-        cluster, 0, data, failing, out, cluster.env(SLURM_CONF=str(conf)), step_args=", raise_rank=1"
-    )
-    assert res.returncode == 1
+    slurm = {"time": "5:00", "mem_per_cpu_gb": 0.001}
+    before = batch_jobs(cluster)
+    killed = prepare_on(cluster, 0, corpus, tmp_path / "ds", {**env, FAULT_KILL: "encode:1"}, executor="slurm",
+                        slurm=slurm)  # fmt: skip
+    assert killed.returncode == 2, killed.stdout[-4000:]
     assert (
-        "DataError: data prepare stage 'encode' (data.executor 'slurm'): 1 of 4 tasks did not complete: rank 1 "
-        f"(log {failing}/logs/task_00001.log), Slurm's output in {failing}/slurm_logs: fix what their logs name"
-    ) in res.stdout, res.stdout[-3000:]
-    assert sorted(p.name for p in (failing / "completions").iterdir()) == ["00000", "00002", "00003"]
+        "data prepare stage 'encode' (data.executor 'slurm'): 1 of 4 tasks did not complete: rank 1 (log "
+    ) in killed.stdout and "Slurm's output in" in killed.stdout, killed.stdout[-3000:]
+    assert not (tmp_path / "ds").exists()
+    res = prepare_on(cluster, 0, corpus, tmp_path / "ds", env, executor="slurm", slurm=slurm)
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert "stage encode: 1 of 4 tasks to run on Slurm (3 done before)" in res.stdout
+    assert dataset_files(tmp_path / "ds") == dataset_files(local)
+    after = batch_jobs(cluster)
+    assert all(after[h] > before[h] for h in after), (before, after)  # both nodes took tasks
 
 
 def netns_pids(cluster: Cluster) -> set[int]:
@@ -442,9 +440,11 @@ def netns_pids(cluster: Cluster) -> set[int]:
 
 
 def test_data_stage_on_ray_with_two_nodes(cluster, local_tasks, tmp_path):
-    """run_stage with data.executor 'ray' on a two-node Ray cluster (a head on node1, a worker node on
-    node2, one CPU each) from node1: every task's output and completion marker, from both nodes.
-    Ray's processes are stopped by PID at the end (`ray stop` would stop every Ray on this machine)."""
+    """data.executor 'ray' on a two-node Ray cluster (a head on node1, a worker node on node2, one CPU
+    each), from node1: a stage's tasks run on both nodes; a prepare whose task is killed in its Ray
+    worker names it, and the same command again runs it alone and gives the local executor's dataset,
+    byte for byte. Ray's processes are stopped by PID at the end (`ray stop` would stop every Ray on
+    this machine)."""
     ray = str(Path(PY).parent / "ray")
     # Ray's unix sockets live under its temp dir, whose path must stay short (108 bytes a socket path).
     temp = Path(tempfile.mkdtemp(prefix="ptray", dir="/tmp"))
@@ -472,20 +472,19 @@ def test_data_stage_on_ray_with_two_nodes(cluster, local_tasks, tmp_path):
         res = run_stage_on(cluster, 0, data, logs, out, env)
         assert check_stage(out, logs, res) == {"node1", "node2"}
         assert res.stdout.splitlines()[-1] == f"stage encode: {STAGE_TASKS}/{STAGE_TASKS} tasks done"
-        # A task killed by SIGKILL in its Ray worker: named, without a hang, and run again alone.
-        killed, again = tmp_path / "killed", tmp_path / "again"
-        killed.mkdir()
-        res = run_stage_on(cluster, 0, data, again, killed, env, step_args=", kill_rank=2")
-        assert (
-            res.returncode == 1 and "1 of 4 tasks did not complete: rank 2 (its Ray worker died" in res.stdout
-        )
-        res = run_stage_on(cluster, 0, data, again, killed, env)
-        assert check_stage(killed, again, res) and runs(killed, 2) == 2 and runs(killed, 0) == 1
-        corpus, local = local_tasks  # a whole prepare: the local executor's dataset, byte for byte
-        res = prepare_on(
-            cluster, 0, corpus, tmp_path / "ds", env, executor="ray", ray={"address": "10.77.0.1:6390"}
-        )
+        # A whole prepare, a task killed by SIGKILL in its Ray worker: named, without a hang; the same
+        # command again runs it alone and gives the local executor's dataset, byte for byte.
+        corpus, local = local_tasks
+        address = {"address": "10.77.0.1:6390"}
+        killed = prepare_on(cluster, 0, corpus, tmp_path / "ds", {**env, FAULT_KILL: "encode:1"}, executor="ray",
+                            ray=address)  # fmt: skip
+        assert killed.returncode == 2, killed.stdout[-4000:]
+        assert "1 of 4 tasks did not complete: rank 1 (its Ray worker died" in killed.stdout, killed.stdout[
+            -3000:
+        ]
+        res = prepare_on(cluster, 0, corpus, tmp_path / "ds", env, executor="ray", ray=address)
         assert res.returncode == 0, res.stdout[-4000:]
+        assert "stage encode: 1 of 4 tasks to run on Ray (3 done before)" in res.stdout
         assert dataset_files(tmp_path / "ds") == dataset_files(local)
     finally:
         for _ in range(3):

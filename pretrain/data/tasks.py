@@ -9,8 +9,8 @@
   do (encode.py); the tokens and a table of each document go to the task's directory.
 - exact (as many tasks as runs): the hashes by hash % tasks; in each part, every document whose hash
   an earlier one had is removed (the first in corpus order is kept).
-- bands (bands x parts tasks): each MinHash band, by its first value % parts, sorted: the buckets
-  holding two or more documents that exact dedup kept.
+- bands (as many tasks as runs): each MinHash band, by its first value % parts (bands x parts at
+  least the tasks), sorted: the buckets holding two or more documents that exact dedup kept.
 - clusters (one task): in corpus order, a document is a near duplicate when a bucket it is in holds
   an earlier document that was kept. That is what one host's MinHashLSH query over the kept
   documents decides (dedup.py), so the kept set is the same for any number of tasks.
@@ -130,8 +130,11 @@ def _building(done: Path) -> Iterator[Path | None]:
     tmp.mkdir(parents=True)
     try:
         yield tmp
-        with contextlib.suppress(FileNotFoundError):  # another try of the same task won: same bytes
+        try:
             os.rename(tmp, done)
+        except OSError:
+            if not done.is_dir():
+                raise  # else another try of the same task (a requeued job) won: the same bytes
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -159,6 +162,8 @@ def plan(cfg: DataConfig, work: Path, total_bytes: int) -> None:
     if done.is_file():
         return
     (work / "plan").mkdir(exist_ok=True)
+    if not total_bytes:  # not known from the fingerprint: walk the corpus once more
+        total_bytes = sum(size for _, size in _units(cfg))
     units: list[Unit] = []
     current, seen = 0, 0
 
@@ -383,30 +388,43 @@ def _in_range(removed: np.ndarray, lo: int, hi: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Bands:
+    """Task `rank` of `n` takes the band parts rank, rank + n, ... (bands x parts in all), one after
+    the other: its memory is one band part's."""
+
     job: Job
 
-    def __call__(self, index: int, n: int) -> None:
+    def __call__(self, rank: int, n: int) -> None:
         job = self.job
-        with _building(_task_dir(job.root, "bands", index)) as tmp:
+        with _building(_task_dir(job.root, "bands", rank)) as tmp:
             if tmp is None:
                 return
-            band, part = divmod(index, job.parts)
-            start, end = job.hashranges[band]
-            offsets, exact_removed = job.offsets(), job.removed("exact_removed")
-            keys, ids = [], []
-            for t in range(job.tasks):
-                use = np.asarray(job.docs(t, "has_shingles")).copy()
-                use[_in_range(exact_removed, int(offsets[t]), int(offsets[t + 1]))] = False
-                sel = np.flatnonzero(use)
-                rows = np.asarray(job.signatures(t)[sel, start:end])
-                mine = rows[:, 0] % np.uint32(job.parts) == part if len(rows) else np.zeros(0, bool)
-                keys.append(rows[mine])
-                ids.append(sel[mine] + offsets[t])
-            k = np.concatenate(keys) if keys else np.empty((0, end - start), np.uint32)
-            i = np.concatenate(ids) if ids else np.empty(0, np.int64)
-            members, sizes = _buckets(k, i)
-            np.save(tmp / "members.npy", members)
-            np.save(tmp / "sizes.npy", sizes)
+            members, sizes = [], []
+            for index in range(rank, len(job.hashranges) * job.parts, n):
+                m, k = self.band_part(index)
+                members.append(m)
+                sizes.append(k)
+            np.save(tmp / "members.npy", np.concatenate(members) if members else np.empty(0, np.int64))
+            np.save(tmp / "sizes.npy", np.concatenate(sizes) if sizes else np.empty(0, np.int64))
+
+    def band_part(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """The buckets of two or more of one band's part: band index // parts, values whose first
+        is part (index % parts) modulo parts."""
+        job = self.job
+        band, part = divmod(index, job.parts)
+        start, end = job.hashranges[band]
+        offsets, exact_removed = job.offsets(), job.removed("exact_removed")
+        keys, ids = [], []
+        for t in range(job.tasks):
+            use = np.asarray(job.docs(t, "has_shingles")).copy()
+            use[_in_range(exact_removed, int(offsets[t]), int(offsets[t + 1]))] = False
+            sel = np.flatnonzero(use)
+            rows = np.asarray(job.signatures(t)[sel, start:end])
+            mine = rows[:, 0] % np.uint32(job.parts) == part if len(rows) else np.zeros(0, bool)
+            keys.append(rows[mine])
+            ids.append(sel[mine] + offsets[t])
+        k = np.concatenate(keys) if keys else np.empty((0, end - start), np.uint32)
+        i = np.concatenate(ids) if ids else np.empty(0, np.int64)
+        return _buckets(k, i)
 
 
 def _buckets(keys: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -438,9 +456,8 @@ class Clusters:
         with _building(_task_dir(job.root, "clusters", rank)) as tmp:
             if tmp is None:
                 return
-            n_tasks = len(job.hashranges) * job.parts
             members, sizes = [], []
-            for j in range(n_tasks):
+            for j in range(job.tasks):
                 members.append(np.load(_task_dir(job.root, "bands", j) / "members.npy"))
                 sizes.append(np.load(_task_dir(job.root, "bands", j) / "sizes.npy"))
             np.save(tmp / "removed.npy", near_removed(np.concatenate(members), np.concatenate(sizes)))
@@ -694,8 +711,7 @@ def build(
         run_stage(cfg, logs / "exact", "exact", Exact(job), job.tasks, log=log)
         gather_removed(job, "exact", job.tasks, "exact_removed")
     if job.near:
-        n_bands = len(job.hashranges) * job.parts
-        run_stage(cfg, logs / "bands", "bands", Bands(job), n_bands, log=log)
+        run_stage(cfg, logs / "bands", "bands", Bands(job), job.tasks, log=log)
         run_stage(cfg, logs / "clusters", "clusters", Clusters(job), 1, log=log)
         gather_removed(job, "clusters", 1, "near_removed")
     if job.exact or job.near:
