@@ -14,7 +14,8 @@ its peak RSS (and its task processes' peak, RUSAGE_CHILDREN) is its own.
 3. Dedup per document: the stages of a data.tasks 8 prepare of the --mb corpus run one task at a
    time in this process under tracemalloc (numpy's buffers included): the peak of one exact-dedup
    part, one band part and the clusters task, each per document it covers, and how many documents
-   reach the clusters task (those in a bucket of two or more).
+   reach the clusters task (those in a bucket of two or more); one host's MinHashLSH index fed the
+   same signatures; and the clusters task at size, on 2 million synthetic documents.
 
 The corpus: JSON Lines of documents of about 4 KB (420 words) (words drawn from tinyshakespeare's vocabulary,
 grown with suffixes), 2% of them exact copies and 3% near copies (one word in fifty changed) of an
@@ -280,6 +281,20 @@ def dedup_memory(corpus: Path, work: Path) -> None:
     print(
         f"| one host's NearDedup (MinHashLSH), for comparison | {peak / 1e6:.1f} MB | {index.size:,} kept | "
         f"{peak / max(index.size, 1):.0f} (and {per * 1e6:.0f} us of one core per document) |"
+    )
+    # The clusters task at size: 2 million documents, in each band 60% of them in buckets of two.
+    rng = np.random.default_rng(0)
+    big, groups = 2_000_000, []
+    for _ in job.hashranges:
+        docs = rng.permutation(big)[: int(big * 0.6)]
+        groups.append(np.sort(docs[: len(docs) // 2 * 2].reshape(-1, 2), axis=1).ravel())
+    memberships = np.concatenate(groups).astype(np.int64)
+    t0 = time.perf_counter()
+    peak = _peak(lambda: T.near_removed(memberships, np.full(len(memberships) // 2, 2, dtype=np.int64)))
+    seconds = time.perf_counter() - t0
+    print(
+        f"| clusters at size: {big:,} documents, {len(memberships):,} bucket memberships | {peak / 1e6:.0f} MB | "
+        f"{big:,} | {peak / big:.0f} (and {seconds / big * 1e6:.1f} us of one core per document) |"
     )
     print(
         f"\n{candidates:,} documents ({candidates / n:.1%}) are in a bucket of two or more; "
