@@ -40,7 +40,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +49,7 @@ from datatrove.pipeline.base import PipelineStep
 from loguru import logger
 
 from pretrain.config.tree import DataConfig
+from pretrain.data.workers import exit_with_main, fork_server_context
 from pretrain.errors import DataError
 from pretrain.files import write_atomic
 
@@ -208,7 +208,7 @@ def _task_process(
     """A task's own process: Ctrl-C is the main process's to handle, it ends when the main process is gone
     (even by kill -9), and what a failed task raised goes back to the main process in a line."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_main, args=(main,), daemon=True).start()
+    threading.Thread(target=exit_with_main, args=(main,), daemon=True).start()
     try:
         _run_task(step, tasks, logs, rank)
     except Exception as e:
@@ -216,34 +216,6 @@ def _task_process(
             main.send_bytes(_summary(e).encode())
         sys.stderr.flush()
         os._exit(1)
-
-
-def _exit_with_main(main: multiprocessing.connection.Connection) -> None:
-    """The main process never writes to this pipe: end of file means it is gone."""
-    with contextlib.suppress(EOFError, OSError):
-        main.recv_bytes()
-    os._exit(1)
-
-
-def _mp_context(
-    step: Step,
-) -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
-    """Not fork: the caller may hold threads. A fork server that has imported this module and the
-    step's (the first time it starts) starts each task's process in milliseconds, imports done;
-    spawn where there is none."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__, type(step).__module__])
-    if threading.current_thread() is threading.main_thread():
-        # Started with SIGINT ignored, the fork server and every process it forks ignore it from birth:
-        # a Ctrl-C to the process group is the main process's alone, even while a task's process starts.
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            forkserver.ensure_running()
-        finally:
-            signal.signal(signal.SIGINT, previous)
-    return ctx
 
 
 def _ended(proc: multiprocessing.process.BaseProcess, pipe: multiprocessing.connection.Connection) -> str:
@@ -280,7 +252,7 @@ def _run_processes(
 ) -> dict[int, str]:
     """The tasks in processes of their own, `n` at once. A task that fails or is killed is noted and the
     others go on; a Ctrl-C (or any error here) stops every task's process before it is raised."""
-    ctx = _mp_context(step)
+    ctx = fork_server_context(__name__, type(step).__module__)  # imports done once, in the server
     pending = list(reversed(todo))
     running: dict[int, tuple[multiprocessing.process.BaseProcess, multiprocessing.connection.Connection]] = {}
     failed: dict[int, str] = {}

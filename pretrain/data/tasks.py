@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -285,6 +285,23 @@ def make_job(cfg: DataConfig, work: Path, setup: Setup) -> Job:
     )
 
 
+@dataclass(frozen=True)
+class _Task:
+    """A stage's task: builds its directory (`build`) beside where it goes and renames it into place
+    when whole; a task whose directory is there already was done by an earlier try."""
+
+    job: Job
+    stage: ClassVar[str] = ""
+
+    def __call__(self, rank: int, world_size: int) -> None:
+        with _building(_task_dir(self.job.root, self.stage, rank)) as tmp:
+            if tmp is not None:
+                self.build(tmp, rank, world_size)
+
+    def build(self, tmp: Path, rank: int, world_size: int) -> None:
+        raise NotImplementedError
+
+
 # ---------------------------------------------------------------------------------------------
 # encode
 
@@ -293,39 +310,36 @@ _TABLE = ("lengths", "sizes", "is_val", "hashes", "has_shingles")
 
 
 @dataclass(frozen=True)
-class Encode:
-    job: Job
+class Encode(_Task):
+    stage: ClassVar[str] = "encode"
 
-    def __call__(self, rank: int, world_size: int) -> None:
+    def build(self, tmp: Path, rank: int, world_size: int) -> None:
         job = self.job
-        with _building(_task_dir(job.root, "encode", rank)) as tmp:
-            if tmp is None:
-                return
-            units: list[Unit] = pickle.loads((job.root / "plan" / f"t{rank:05d}.pkl").read_bytes())
-            init_worker(job.setup())
-            table: dict[str, list[np.ndarray]] = {k: [] for k in _TABLE}
-            stats, cpu = CleanStats(), 0.0
-            with (
-                open(tmp / "tokens.bin", "wb") as tokens,
-                open(tmp / "sig.bin", "wb") as sig,
-                open(tmp / "names.jsonl", "w") as names,
-            ):
-                for i, chunks in enumerate(_chunk_lists(job.chunking, units)):
-                    if i == 1:
-                        _fault(job, "encode", rank)
-                    r = encode_task(chunks)
-                    stats.add(r.stats)
-                    cpu += r.cpu_s
-                    names.writelines(json.dumps(name) + "\n" for name in r.names)
-                    tokens.write(r.tokens.tobytes())
-                    if r.signatures is not None:
-                        sig.write(np.ascontiguousarray(r.signatures, dtype=np.uint32).tobytes())
-                    for k in _TABLE:
-                        table[k].append(getattr(r, k))
-            _fault(job, "encode", rank)
-            for k, parts in table.items():
-                np.save(tmp / f"{k}.npy", np.concatenate(parts) if parts else _empty(k))
-            (tmp / "stats.pkl").write_bytes(pickle.dumps((stats, cpu)))
+        units: list[Unit] = pickle.loads((job.root / "plan" / f"t{rank:05d}.pkl").read_bytes())
+        init_worker(job.setup())
+        table: dict[str, list[np.ndarray]] = {k: [] for k in _TABLE}
+        stats, cpu = CleanStats(), 0.0
+        with (
+            open(tmp / "tokens.bin", "wb") as tokens,
+            open(tmp / "sig.bin", "wb") as sig,
+            open(tmp / "names.jsonl", "w") as names,
+        ):
+            for i, chunks in enumerate(_chunk_lists(job.chunking, units)):
+                if i == 1:
+                    _fault(job, "encode", rank)
+                r = encode_task(chunks)
+                stats.add(r.stats)
+                cpu += r.cpu_s
+                names.writelines(json.dumps(name) + "\n" for name in r.names)
+                tokens.write(r.tokens.tobytes())
+                if r.signatures is not None:
+                    sig.write(np.ascontiguousarray(r.signatures, dtype=np.uint32).tobytes())
+                for k in _TABLE:
+                    table[k].append(getattr(r, k))
+        _fault(job, "encode", rank)
+        for k, parts in table.items():
+            np.save(tmp / f"{k}.npy", np.concatenate(parts) if parts else _empty(k))
+        (tmp / "stats.pkl").write_bytes(pickle.dumps((stats, cpu)))
 
 
 def _empty(name: str) -> np.ndarray:
@@ -345,27 +359,24 @@ def write_offsets(job: Job) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class Exact:
-    job: Job
+class Exact(_Task):
+    stage: ClassVar[str] = "exact"
 
-    def __call__(self, part: int, parts: int) -> None:
+    def build(self, tmp: Path, part: int, parts: int) -> None:
         job = self.job
-        with _building(_task_dir(job.root, "exact", part)) as tmp:
-            if tmp is None:
-                return
-            offsets = job.offsets()
-            hashes, ids = [], []
-            for t in range(job.tasks):
-                h = np.asarray(job.docs(t, "hashes"))
-                sel = np.flatnonzero(h % np.uint64(parts) == part)
-                hashes.append(h[sel])
-                ids.append(sel + offsets[t])
-            h, i = np.concatenate(hashes), np.concatenate(ids)
-            order = np.lexsort((i, h))  # by hash, then corpus order
-            h, i = h[order], i[order]
-            again = np.zeros(len(h), dtype=bool)
-            again[1:] = h[1:] == h[:-1]
-            np.save(tmp / "removed.npy", np.sort(i[again]))
+        offsets = job.offsets()
+        hashes, ids = [], []
+        for t in range(job.tasks):
+            h = np.asarray(job.docs(t, "hashes"))
+            sel = np.flatnonzero(h % np.uint64(parts) == part)
+            hashes.append(h[sel])
+            ids.append(sel + offsets[t])
+        h, i = np.concatenate(hashes), np.concatenate(ids)
+        order = np.lexsort((i, h))  # by hash, then corpus order
+        h, i = h[order], i[order]
+        again = np.zeros(len(h), dtype=bool)
+        again[1:] = h[1:] == h[:-1]
+        np.save(tmp / "removed.npy", np.sort(i[again]))
 
 
 def gather_removed(job: Job, stage: str, parts: int, name: str) -> np.ndarray:
@@ -387,24 +398,21 @@ def _in_range(removed: np.ndarray, lo: int, hi: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class Bands:
+class Bands(_Task):
     """Task `rank` of `n` takes the band parts rank, rank + n, ... (bands x parts in all), one after
     the other: its memory is one band part's."""
 
-    job: Job
+    stage: ClassVar[str] = "bands"
 
-    def __call__(self, rank: int, n: int) -> None:
+    def build(self, tmp: Path, rank: int, n: int) -> None:
         job = self.job
-        with _building(_task_dir(job.root, "bands", rank)) as tmp:
-            if tmp is None:
-                return
-            members, sizes = [], []
-            for index in range(rank, len(job.hashranges) * job.parts, n):
-                m, k = self.band_part(index)
-                members.append(m)
-                sizes.append(k)
-            np.save(tmp / "members.npy", np.concatenate(members) if members else np.empty(0, np.int64))
-            np.save(tmp / "sizes.npy", np.concatenate(sizes) if sizes else np.empty(0, np.int64))
+        members, sizes = [], []
+        for index in range(rank, len(job.hashranges) * job.parts, n):
+            m, k = self.band_part(index)
+            members.append(m)
+            sizes.append(k)
+        np.save(tmp / "members.npy", np.concatenate(members) if members else np.empty(0, np.int64))
+        np.save(tmp / "sizes.npy", np.concatenate(sizes) if sizes else np.empty(0, np.int64))
 
     def band_part(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """The buckets of two or more of one band's part: band index // parts, values whose first
@@ -448,19 +456,16 @@ def _buckets(keys: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 
 
 @dataclass(frozen=True)
-class Clusters:
-    job: Job
+class Clusters(_Task):
+    stage: ClassVar[str] = "clusters"
 
-    def __call__(self, rank: int, world_size: int) -> None:
+    def build(self, tmp: Path, rank: int, world_size: int) -> None:
         job = self.job
-        with _building(_task_dir(job.root, "clusters", rank)) as tmp:
-            if tmp is None:
-                return
-            members, sizes = [], []
-            for j in range(job.tasks):
-                members.append(np.load(_task_dir(job.root, "bands", j) / "members.npy"))
-                sizes.append(np.load(_task_dir(job.root, "bands", j) / "sizes.npy"))
-            np.save(tmp / "removed.npy", near_removed(np.concatenate(members), np.concatenate(sizes)))
+        members, sizes = [], []
+        for j in range(job.tasks):
+            members.append(np.load(_task_dir(job.root, "bands", j) / "members.npy"))
+            sizes.append(np.load(_task_dir(job.root, "bands", j) / "sizes.npy"))
+        np.save(tmp / "removed.npy", near_removed(np.concatenate(members), np.concatenate(sizes)))
 
 
 def near_removed(members: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -491,28 +496,25 @@ def near_removed(members: np.ndarray, sizes: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class Write:
-    job: Job
+class Write(_Task):
+    stage: ClassVar[str] = "write"
     moved: tuple[int, str] | None  # (a document, the split it goes to instead): the last one, at times
 
-    def __call__(self, rank: int, world_size: int) -> None:
+    def build(self, tmp: Path, rank: int, world_size: int) -> None:
         job = self.job
-        with _building(_task_dir(job.root, "write", rank)) as tmp:
-            if tmp is None:
-                return
-            offsets = job.offsets()
-            lo, hi = int(offsets[rank]), int(offsets[rank + 1])
-            keep = np.ones(hi - lo, dtype=bool)
-            for name in ("exact_removed", "near_removed"):
-                keep[_in_range(job.removed(name), lo, hi)] = False
-            is_val = np.asarray(job.docs(rank, "is_val")).copy()
-            if self.moved is not None and lo <= self.moved[0] < hi:
-                is_val[self.moved[0] - lo] = self.moved[1] == "val"
-            lengths = np.asarray(job.docs(rank, "lengths"))
-            dtype = np.dtype(job.setup().dtype)
-            _fault(job, "write", rank)
-            shards = _write_run(tmp, rank, job, keep, is_val, lengths, dtype)
-            (tmp / "shards.pkl").write_bytes(pickle.dumps(shards))
+        offsets = job.offsets()
+        lo, hi = int(offsets[rank]), int(offsets[rank + 1])
+        keep = np.ones(hi - lo, dtype=bool)
+        for name in ("exact_removed", "near_removed"):
+            keep[_in_range(job.removed(name), lo, hi)] = False
+        is_val = np.asarray(job.docs(rank, "is_val")).copy()
+        if self.moved is not None and lo <= self.moved[0] < hi:
+            is_val[self.moved[0] - lo] = self.moved[1] == "val"
+        lengths = np.asarray(job.docs(rank, "lengths"))
+        dtype = np.dtype(job.setup().dtype)
+        _fault(job, "write", rank)
+        shards = _write_run(tmp, rank, job, keep, is_val, lengths, dtype)
+        (tmp / "shards.pkl").write_bytes(pickle.dumps(shards))
 
 
 def _write_run(
@@ -542,16 +544,21 @@ def _write_run(
 
 @dataclass
 class Kept:
+    """What the runs kept, in one pass over their tables."""
+
     per_run: list[int]
     last: int | None  # global index of the last kept document
     last_split: str
     other_split_empty: bool  # no other kept document is in the split the last one is not in
+    bytes_out: int  # UTF-8 bytes of the kept documents
+    largest: tuple[int, int]  # (tokens, global index) of the largest kept document; (0, -1) with none
 
 
 def kept_documents(job: Job) -> Kept:
     offsets = job.offsets()
     removed = np.union1d(job.removed("exact_removed"), job.removed("near_removed"))
     per_run, counts, last, last_val = [], {True: 0, False: 0}, None, False
+    bytes_out, largest = 0, (0, -1)
     for t in range(job.tasks):
         lo, hi = int(offsets[t]), int(offsets[t + 1])
         keep = np.ones(hi - lo, dtype=bool)
@@ -560,12 +567,16 @@ def kept_documents(job: Job) -> Kept:
         per_run.append(int(keep.sum()))
         for v in (True, False):
             counts[v] += int((keep & (is_val == v)).sum())
+        bytes_out += int(np.asarray(job.docs(t, "sizes"))[keep].sum())
         if keep.any():
             i = int(np.flatnonzero(keep)[-1])
             last, last_val = lo + i, bool(is_val[i])
+            lengths = np.where(keep, np.asarray(job.docs(t, "lengths")), -1)
+            if lengths.max() > largest[0]:
+                largest = (int(lengths.max()), lo + int(np.argmax(lengths)))
     if last is not None:
         counts[last_val] -= 1
-    return Kept(per_run, last, "val" if last_val else "train", counts[not last_val] == 0)
+    return Kept(per_run, last, "val" if last_val else "train", counts[not last_val] == 0, bytes_out, largest)
 
 
 def run_of(job: Job, doc: int) -> tuple[int, int]:
@@ -631,22 +642,13 @@ def written_shards(job: Job, staging: Path) -> dict[str, list[ShardInfo]]:
     return shards
 
 
-def largest_kept(job: Job) -> tuple[int, str, str]:
-    """(tokens, name, split) of the largest kept document."""
-    offsets = job.offsets()
-    removed = np.union1d(job.removed("exact_removed"), job.removed("near_removed"))
-    best, where = 0, None
-    for t in range(job.tasks):
-        lo, hi = int(offsets[t]), int(offsets[t + 1])
-        lengths = np.asarray(job.docs(t, "lengths")).copy()
-        lengths[_in_range(removed, lo, hi)] = -1
-        if len(lengths) and lengths.max() > best:
-            best, where = int(lengths.max()), lo + int(np.argmax(lengths))
-    if where is None:
+def largest_named(job: Job, kept: Kept) -> tuple[int, str, str]:
+    """(tokens, name, split) of the largest kept document, as split_warnings takes it."""
+    tokens, doc = kept.largest
+    if doc < 0:
         return 0, "", ""
-    t, i = run_of(job, where)
-    split = "val" if bool(job.docs(t, "is_val")[i]) else "train"
-    return best, name_of(job, where), split
+    t, i = run_of(job, doc)
+    return tokens, name_of(job, doc), "val" if bool(job.docs(t, "is_val")[i]) else "train"
 
 
 def one_document(job: Job, doc: int, clean: Any, tok: Tokenizer, val_fraction: float, staging: Path) -> dict:
@@ -743,27 +745,15 @@ def build(
     stats, _cpu = run_stats(job)
     count_removed(job, stats)
     kept_n = sum(kept.per_run)
-    bytes_out = _bytes_out(job)
     report = manifest_report(
-        stats, cfg.clean, kept=kept_n, bytes_out=bytes_out, notes=notes, shards=shards, seconds=0
+        stats, cfg.clean, kept=kept_n, bytes_out=kept.bytes_out, notes=notes, shards=shards, seconds=0
     )
     del report["seconds"]  # of this try, not of the dataset: the log says it
     report["tasks"] = cfg.tasks
     report["warnings"] = (
         []
         if own_val
-        else split_warnings(cfg, tokens=report["tokens"], kept=kept_n, largest=largest_kept(job))
+        else split_warnings(cfg, tokens=report["tokens"], kept=kept_n, largest=largest_named(job, kept))
     )
     timer.say(f"wrote {sum(len(s) for s in shards.values())} shards")
     return shards, report, work
-
-
-def _bytes_out(job: Job) -> int:
-    offsets = job.offsets()
-    removed = np.union1d(job.removed("exact_removed"), job.removed("near_removed"))
-    total = 0
-    for t in range(job.tasks):
-        sizes = np.asarray(job.docs(t, "sizes")).copy()
-        sizes[_in_range(removed, int(offsets[t]), int(offsets[t + 1]))] = 0
-        total += int(sizes.sum())
-    return total

@@ -109,7 +109,7 @@ class Workers:
             with uninterrupted():
                 executor = ProcessPoolExecutor(
                     self.n,
-                    mp_context=_mp_context(),
+                    mp_context=fork_server_context(),
                     initializer=_init_pool_worker,
                     initargs=(setup, main_alive),
                 )
@@ -187,17 +187,20 @@ def _terminate(executor: ProcessPoolExecutor) -> None:
         result_queue._writer.close()  # type: ignore[union-attr]
 
 
-def _mp_context() -> multiprocessing.context.BaseContext:
+def fork_server_context(
+    *preload: str,
+) -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
     """Not fork: the caller may hold threads (a process group, a prefetching loader). A fork
-    server that has imported this module once (and encode.py, the tasks' own) starts each worker in
-    milliseconds, for every prepare of this process; spawn where there is none."""
+    server that has imported this module (and `preload`, the tasks' own modules) the first time it
+    starts begins each process in milliseconds, for every prepare of this process; spawn where
+    there is none."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    ctx.set_forkserver_preload([__name__, *preload])
     if threading.current_thread() is threading.main_thread():
-        # Started with SIGINT ignored, the fork server and every worker it forks inherit that from
-        # birth: a Ctrl-C to the process group while a worker is still starting prints nothing.
+        # Started with SIGINT ignored, the fork server and every process it forks inherit that from
+        # birth: a Ctrl-C to the process group while one is still starting is the main process's alone.
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             forkserver.ensure_running()
@@ -210,11 +213,11 @@ def _init_pool_worker(setup: Setup, main_alive: multiprocessing.connection.Conne
     """A worker process: Ctrl-C at a terminal (sent to the whole process group) is the main
     process's to handle, and the worker ends when the main process is gone, even by kill -9."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_main, args=(main_alive,), daemon=True).start()
+    threading.Thread(target=exit_with_main, args=(main_alive,), daemon=True).start()
     init_worker(setup)
 
 
-def _exit_with_main(main_alive: multiprocessing.connection.Connection) -> None:
+def exit_with_main(main_alive: multiprocessing.connection.Connection) -> None:
     """Only the main process holds the pipe's other end: end of file means it is gone."""
     with contextlib.suppress(EOFError, OSError):
         main_alive.recv_bytes()
