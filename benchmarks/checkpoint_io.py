@@ -51,7 +51,7 @@ def launch(args: argparse.Namespace) -> int:
 def _engine(name: str, stage: int, world: int):  # type: ignore[no-untyped-def]
     from pretrain.config.ds_render import render_deepspeed
     from pretrain.config.presets import build
-    from pretrain.training import engine as ds_engine
+    from pretrain.training.distributed import engine as ds_engine
 
     vocab = 50257 if name.startswith("gpt2") else 65
     cfg = build(
@@ -95,7 +95,8 @@ def measure(name: str, stage: int, args: argparse.Namespace, dist, group) -> dic
     import torch.distributed as tdist
 
     from pretrain.config.layout import Layout
-    from pretrain.training import checkpoint, resume
+    from pretrain.training.checkpoint import resume
+    from pretrain.training.checkpoint import store as checkpoint
 
     cfg, eng = _engine(name, stage, dist.world_size)
     root = Path(args.dir) / f"{name}-z{stage}"
@@ -176,7 +177,7 @@ def report(name: str, stage: int, t: dict[str, list[float]]) -> None:
 def main(args: argparse.Namespace) -> None:
     import torch.distributed as tdist
 
-    from pretrain.training import ranks
+    from pretrain.training.distributed import ranks
 
     dist = ranks.launch_env()
     ranks.init_distributed(dist)

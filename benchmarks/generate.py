@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from pretrain.config.presets import build  # noqa: E402
 from pretrain.data.tokenizer import CharTokenizer, TiktokenTokenizer, Tokenizer  # noqa: E402
 from pretrain.generate import SampleCount, stream_samples  # noqa: E402
-from pretrain.training.model import GPT  # noqa: E402
+from pretrain.training.model.gpt import GPT  # noqa: E402
 
 DATA = ROOT / "tests" / "data"  # offline: no download
 

@@ -41,11 +41,11 @@ from pretrain.config.presets import build  # noqa: E402
 from pretrain.config.tree import RunConfig, analytic_flops_per_token  # noqa: E402
 from pretrain.data.dataset import resolve_vocab  # noqa: E402
 from pretrain.data.prepare import prepare  # noqa: E402
-from pretrain.training import ranks  # noqa: E402
+from pretrain.training.distributed import ranks  # noqa: E402
 from pretrain.training.faults import Faults  # noqa: E402
 from pretrain.training.loop import train_step  # noqa: E402
 from pretrain.training.metrics import PhaseTimer, peak_memory_bytes, quiet_monitor  # noqa: E402
-from pretrain.training.model import GPT  # noqa: E402
+from pretrain.training.model.gpt import GPT  # noqa: E402
 from pretrain.training.run import setup  # noqa: E402
 from pretrain.training.schedule import lr_at  # noqa: E402
 

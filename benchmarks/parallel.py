@@ -17,7 +17,7 @@ As `benchmarks/plan_check.py` does for the ZeRO stages:
    mapped chunk freed (up to 32 MiB), after which freed activations and gradients stay resident in the
    heap: measured on DP2 with probes of glibc's in-use bytes (mallinfo2) at every phase, peak RSS above
    the footprint was 197 MB where peak live memory was 120 MB; with the fixed threshold, 118 MB.
-3. Predicts each layout's step time and memory per rank with `pretrain.cluster.timing` and `.plan`, its rates
+3. Predicts each layout's step time and memory per rank with `pretrain.plan.timing` and `.plan`, its rates
    calibrated once, on the DP2 runs (`pretrain plan --from-run`), with the bus bandwidth of its world.
 
 Writes parallel.md (the table) to --out.
@@ -33,17 +33,17 @@ from pathlib import Path
 
 from plan_check import QUIET, ROOT, TINY_SHAKESPEARE, bus_bandwidth, measured_step_s, report, train
 
-from pretrain.cluster.layout import stage_shares
-from pretrain.cluster.memory import bucket_written_bytes
-from pretrain.cluster.plan import plan_stages
-from pretrain.cluster.rates import resolve_rates
-from pretrain.cluster.timing import predict_step
 from pretrain.config.layout import layout_of
 from pretrain.config.presets import build
 from pretrain.config.tree import RunConfig
 from pretrain.data.dataset import resolve_vocab
 from pretrain.data.prepare import prepare
 from pretrain.files import read_csv
+from pretrain.plan.layout import stage_shares
+from pretrain.plan.memory import bucket_written_bytes
+from pretrain.plan.rates import resolve_rates
+from pretrain.plan.stages import plan_stages
+from pretrain.plan.timing import predict_step
 
 CORPUS = TINY_SHAKESPEARE if TINY_SHAKESPEARE.is_file() else ROOT / "tests" / "data" / "tinyshakespeare.txt"
 MICRO, SEQUENCES = 4, 16  # micro batch, and the global batch every layout keeps

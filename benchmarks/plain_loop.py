@@ -15,7 +15,7 @@ import torch
 from pretrain.config.tree import RunConfig
 from pretrain.data.dataset import load_manifest
 from pretrain.data.loader import ShardedLoader
-from pretrain.training.model import GPT
+from pretrain.training.model.gpt import GPT
 from pretrain.training.schedule import lr_at
 
 

@@ -6,7 +6,7 @@ stages 0-3 with and without offload.
 1. Measures the all-reduce bus bandwidth between N ranks, as `pretrain preflight` does.
 2. Trains each variant for --steps steps under `torchrun` (the real engine) and takes the median
    step time of the logged steps after the first.
-3. Predicts each variant's step time with `pretrain.cluster.timing.predict_step`, its rates calibrated on the
+3. Predicts each variant's step time with `pretrain.plan.timing.predict_step`, its rates calibrated on the
    stage-0 run (`pretrain plan --from-run`: its forward+backward and optimizer times) and the
    measured bus bandwidth, and prints predicted against measured.
 
@@ -28,13 +28,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pretrain.cluster.layout import VARIANTS  # noqa: E402
-from pretrain.cluster.rates import resolve_rates  # noqa: E402
-from pretrain.cluster.timing import predict_step  # noqa: E402
 from pretrain.config.presets import build  # noqa: E402
 from pretrain.data.dataset import resolve_vocab  # noqa: E402
 from pretrain.data.prepare import prepare  # noqa: E402
 from pretrain.files import read_csv  # noqa: E402
+from pretrain.plan.layout import VARIANTS  # noqa: E402
+from pretrain.plan.rates import resolve_rates  # noqa: E402
+from pretrain.plan.timing import predict_step  # noqa: E402
 
 TINY_SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 QUIET = ["logging.eval_interval=100000", "logging.sample_tokens=0", "logging.log_interval=1",

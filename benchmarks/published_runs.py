@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/published_runs.py
 
-For each run of `pretrain.cluster.evidence.PUBLISHED` (llm.c, Megatron-LM, torchtitan, MPT, BLOOM),
+For each run of `pretrain.plan.evidence.PUBLISHED` (llm.c, Megatron-LM, torchtitan, MPT, BLOOM),
 `pretrain plan` is given the run's model, layout, batch and GPUs, and nothing else: its default
 rates (the forward + backward efficiency of `evidence.FWD_BWD_EFFICIENCY`, the interconnect assumed
 for the GPU class). Printed per run: published tokens/s a GPU, the plan's, their ratio, the
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import statistics
 
-from pretrain.cluster.evidence import FWD_BWD_EFFICIENCY, PUBLISHED, size_class
-from pretrain.cluster.published import implied_efficiency, planned
 from pretrain.logs import deepspeed_logs_to_stderr
+from pretrain.plan.evidence import FWD_BWD_EFFICIENCY, PUBLISHED, size_class
+from pretrain.plan.published import implied_efficiency, planned
 
 GIB = 2**30 / 1e9  # GB in a GiB
 

@@ -65,7 +65,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from pretrain.config.ds_render import render_deepspeed
     from pretrain.config.presets import build
-    from pretrain.training import engine, ranks
+    from pretrain.training.distributed import engine, ranks
 
     dist = ranks.launch_env()
     ranks.init_distributed(dist)

@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from pretrain.config.presets import build  # noqa: E402
 from pretrain.data.prepare import prepare  # noqa: E402
-from pretrain.training import faults, guards, ranks  # noqa: E402
+from pretrain.training import faults, guards  # noqa: E402
+from pretrain.training.distributed import ranks  # noqa: E402
 from pretrain.training.loop import train_step  # noqa: E402
 from pretrain.training.metrics import PhaseTimer, quiet_monitor  # noqa: E402
 from pretrain.training.run import setup  # noqa: E402

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/zero_stages.py [--nproc 2] [--micro 2,8] [--out benchmarks/results]
 
 Starts `torchrun --nproc_per_node N` (gloo on the CPU, NCCL on GPUs) running this file as a worker,
-which trains each variant for a few steps with the real engine (`pretrain.training.engine`) and measures per
+which trains each variant for a few steps with the real engine (`pretrain.training.distributed.engine`) and measures per
 rank:
 
 - tokens/s over the measured steps;
@@ -190,8 +190,8 @@ def worker(args: argparse.Namespace) -> None:
     from pretrain.config.presets import build
     from pretrain.data.dataset import load_manifest, resolve_vocab
     from pretrain.data.loader import ShardedLoader
-    from pretrain.training import engine as ds_engine
-    from pretrain.training import ranks
+    from pretrain.training.distributed import engine as ds_engine
+    from pretrain.training.distributed import ranks
 
     stage, off, par = (int(v) for v in args.variant.split(","))
     micro, knobs = int(args.micro), args.knobs
@@ -297,11 +297,11 @@ def worker(args: argparse.Namespace) -> None:
 
 def predictions(micro: int, world: int, bucket: int, work: Path) -> dict[tuple[int, str], dict[str, float]]:
     """`pretrain plan`'s numbers for this shape, everything counted as host memory (a CPU run)."""
-    from pretrain.cluster.plan import plan_stages
-    from pretrain.cluster.timing import comm_elements
     from pretrain.config.presets import build
     from pretrain.config.tree import analytic_num_params
     from pretrain.data.dataset import load_manifest
+    from pretrain.plan.stages import plan_stages
+    from pretrain.plan.timing import comm_elements
 
     vocab = load_manifest(work / "data")["tokenizer"]["vocab_size"]
     cfg = build(

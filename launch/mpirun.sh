@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Train across the hosts of a hostfile with Open MPI's mpirun: one MPI process per slot, each rank
-# learning its rank, world size and local rank through mpi4py (pretrain/training/engine.py, launch_env).
+# learning its rank, world size and local rank through mpi4py (pretrain/training/distributed/engine.py, launch_env).
 #
 #   launch/mpirun.sh HOSTFILE [pretrain train args...]
 #   launch/mpirun.sh hostfiles/a100x16 --ds ds_configs/zero2_offload.json --preset gpt-6.7b

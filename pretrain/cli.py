@@ -465,7 +465,7 @@ def _check_before_the_ranks(args: argparse.Namespace) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from pretrain.training.universal import convert_and_say  # torch, DeepSpeed
+    from pretrain.training.checkpoint.universal import convert_and_say  # torch, DeepSpeed
 
     print(convert_and_say(Path(args.src), workers=args.workers, checksums=not args.no_checksums))
     return 0
@@ -591,8 +591,8 @@ def cmd_fields(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from pretrain.cluster.plan_report import plan_json, render_plan
-    from pretrain.cluster.target import plan_inputs
+    from pretrain.plan.report import plan_json, render_plan
+    from pretrain.plan.target import plan_inputs
 
     cfg, to, rates, vocab_src = plan_inputs(
         config_file=args.config_file,

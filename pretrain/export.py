@@ -60,8 +60,9 @@ from pretrain.files import (
     staging_dir,
     write_atomic,
 )
-from pretrain.training import checkpoint, resume
-from pretrain.training.model import GPT
+from pretrain.training.checkpoint import resume
+from pretrain.training.checkpoint import store as checkpoint
+from pretrain.training.model.gpt import GPT
 
 WEIGHTS = "model.safetensors"
 INFO = "pretrain.json"
@@ -189,7 +190,7 @@ def model_parallel_state_dict(
     (pipeline.gpt_names), and the tensor ranks' shards put back together as AutoTP split them
     (ds_render.autotp_layer_specs). These are the weights the model trained with: fp32 in an fp32
     run, the bf16 copy in a bf16 run. `reading[0]` is set to each file as it is read."""
-    from pretrain.training.pipeline import gpt_names
+    from pretrain.training.distributed.pipeline import gpt_names
 
     reading = reading if reading is not None else [ckpt]
     m = ModelConfig.model_validate(meta["config"]["model"])

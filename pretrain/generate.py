@@ -25,7 +25,7 @@ from pretrain.config.tree import ModelConfig
 from pretrain.data.tokenizer import Tokenizer
 from pretrain.errors import ConfigError, DataError
 from pretrain.export import load_model, tokenizer_for
-from pretrain.training.model import GPT, KVCache
+from pretrain.training.model.gpt import GPT, KVCache
 
 MAX_SAMPLE_TOKENS = 10_000_000  # what one `pretrain sample` generates at most, all samples together
 _BATCH_BYTES = 1 << 30  # about the most a batch of samples side by side holds in activations

@@ -116,7 +116,7 @@ def run_probe(
 
 def inspect_hosts(cfg: RunConfig, opts: Options, report: Report) -> dict[str, dict[str, Any]]:
     """Probe every host in parallel; record unreachable ones. Returns the probes that answered."""
-    from pretrain.training.checkpoint import estimate_bytes  # torch, for the model's parameter count
+    from pretrain.training.checkpoint.store import estimate_bytes  # torch, for the model's parameter count
 
     first = next(iter(opts.hosts))
     common = {
@@ -447,7 +447,9 @@ def format_report(report: Report) -> str:
 def check_run_dir(cfg: RunConfig, opts: Options, report: Report) -> None:
     """On this machine: no other run holds the run dir, and the checkpoint `--resume` would load
     verifies, through the reader training uses (each one it would skip is a warning)."""
-    from pretrain.training import checkpoint, resume, rundir  # torch
+    from pretrain.training import rundir
+    from pretrain.training.checkpoint import resume  # torch
+    from pretrain.training.checkpoint import store as checkpoint
 
     host = next(iter(opts.hosts))
     run_dir = cfg.run_dir()
@@ -498,7 +500,7 @@ def save_allreduce(report: Report, run_dir: Path, hostfile: str) -> None:
     (nothing where it timed none)."""
     if not report.allreduce:
         return
-    from pretrain.cluster.rates import PREFLIGHT_FILE  # torch, which preflight has loaded already
+    from pretrain.plan.rates import PREFLIGHT_FILE  # torch, which preflight has loaded already
 
     run_dir.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"hostfile": hostfile, "allreduce": report.allreduce}, indent=1) + "\n"

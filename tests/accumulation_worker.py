@@ -20,8 +20,8 @@ import torch.distributed as tdist
 
 from pretrain.config.ds_render import render_deepspeed
 from pretrain.config.presets import build
-from pretrain.training import engine, ranks
-from pretrain.training.model import GPT
+from pretrain.training.distributed import engine, ranks
+from pretrain.training.model.gpt import GPT
 
 MICRO = 256  # micro batches in the step: a power of two, so DeepSpeed's 1/MICRO loss scale is exact
 BASE = [

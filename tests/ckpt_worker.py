@@ -16,7 +16,7 @@ import torch.distributed as tdist
 
 from pretrain.config.presets import build
 from pretrain.errors import CheckpointError, DataError
-from pretrain.training import ranks
+from pretrain.training.distributed import ranks
 from pretrain.training.loop import train
 
 # A small GPT on tiny-shakespeare, logging every step.

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from pretrain.training import checkpoint
+from pretrain.training.checkpoint import store as checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small public files the tests read, kept in the repository (tests/data/README.md says what each is).

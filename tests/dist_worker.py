@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as tdist
 
 from pretrain.config.presets import build
-from pretrain.training import ranks
+from pretrain.training.distributed import ranks
 from pretrain.training.loop import train
 
 # A small GPT on tiny-shakespeare, 20 steps, logging every step.

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from pretrain.config.presets import build
 from pretrain.config.tree import required_vocab_size
-from pretrain.training import ranks
+from pretrain.training.distributed import ranks
 from pretrain.training.loop import train
 from pretrain.training.run import setup
 

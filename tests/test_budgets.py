@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.cluster.plan import plan_budget
-from pretrain.cluster.plan_report import render_budget
 from pretrain.config.presets import build
 from pretrain.config.tree import to_yaml, validate
 from pretrain.errors import ConfigError
-from pretrain.training import checkpoint
+from pretrain.plan.report import render_budget
+from pretrain.plan.stages import plan_budget
+from pretrain.training.checkpoint import store as checkpoint
 from pretrain.training.schedule import lr_at
 from tests.ckpt_worker import BASE
 from tests.conftest import ckpt, torchrun

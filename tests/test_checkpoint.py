@@ -22,7 +22,9 @@ import torch
 
 from pretrain.config.layout import Layout
 from pretrain.config.run_sections import CheckpointConfig
-from pretrain.training import checkpoint, faults, guards, resume, universal
+from pretrain.training import faults, guards
+from pretrain.training.checkpoint import resume, universal
+from pretrain.training.checkpoint import store as checkpoint
 from tests.conftest import BIN, CORPUS, ROOT, ckpt, cli, subprocess_env, torchrun
 
 # ---------------------------------------------------------------------------------------------

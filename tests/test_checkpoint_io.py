@@ -1,4 +1,4 @@
-"""The bytes of a checkpoint (training/checkpoint_io.py): files written without the zip CRC and
+"""The bytes of a checkpoint (training/checkpoint/files.py): files written without the zip CRC and
 hashed beside the writing, verified in parallel, older sha256 manifests still verified, the snapshot a
 background save writes from, and background saves in the 2-rank job: the same bytes as synchronous
 ones, and a stop that waits for the save in flight."""
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pretrain.errors import CheckpointError
-from pretrain.training import checkpoint
-from pretrain.training.checkpoint_io import (
+from pretrain.training.checkpoint import store as checkpoint
+from pretrain.training.checkpoint.files import (
     Background,
     describe,
     snapshot,

@@ -15,13 +15,12 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from pretrain.cluster.memory import activation_bytes
 from pretrain.config.tree import ModelConfig, validate
 from pretrain.data.dataset import Dataset
 from pretrain.data.fingerprint import output_config
 from pretrain.errors import ConfigError, DataError
-from pretrain.training.model import GPT, document_mask, document_positions
-from pretrain.training.pipeline import (
+from pretrain.plan.memory import activation_bytes
+from pretrain.training.distributed.pipeline import (
     TIED,
     FinalNorm,
     PipelineBlock,
@@ -31,6 +30,7 @@ from pretrain.training.pipeline import (
     stage_output,
     tied_logits,
 )
+from pretrain.training.model.gpt import GPT, document_mask, document_positions
 from pretrain.training.run import resolve_document_eot
 
 EOT = 0
@@ -195,7 +195,7 @@ def test_plan_counts_one_mask_a_micro_batch():
 def test_a_resume_may_turn_document_masks_on_or_off_and_says_so():
     """The weights are the same with and without the mask: not a change of the model (check_compatible
     skips model.document_eot), a warning line each way."""
-    from pretrain.training.resume import document_mask_change
+    from pretrain.training.checkpoint.resume import document_mask_change
 
     assert document_mask_change(None, None) == [] and document_mask_change(50256, 50256) == []
     (on,) = document_mask_change(None, 50256)

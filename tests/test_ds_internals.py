@@ -1,4 +1,4 @@
-"""DeepSpeed's private attributes that this project touches, all in training/ds_internals.py, each
+"""DeepSpeed's private attributes that this project touches, all in training/distributed/ds_internals.py, each
 checked here against the installed DeepSpeed: after an upgrade this file says what moved."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.training import ds_internals
+from pretrain.training.distributed import ds_internals
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pretrain"
 # The private names DeepSpeed defines that ds_internals reaches for.
@@ -37,7 +37,7 @@ def test_the_private_names_are_touched_in_ds_internals_only():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in PRIVATE:
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} .{node.attr}")
-    assert found == [], "DeepSpeed's private attributes belong in training/ds_internals.py"
+    assert found == [], "DeepSpeed's private attributes belong in training/distributed/ds_internals.py"
 
 
 @pytest.mark.parametrize(

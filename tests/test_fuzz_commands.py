@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pretrain.training import checkpoint
+from pretrain.training.checkpoint import store as checkpoint
 from tests.conftest import BIN, GPT2_RANKS, ROOT, subprocess_env
 from tests.test_safety import one_error, train_args, tree
 
@@ -156,7 +156,7 @@ def test_sample_draws_only_ids_the_tokenizer_has(rope_run):
     from pretrain.data.tokenizer import CharTokenizer
     from pretrain.errors import DataError
     from pretrain.generate import generate
-    from pretrain.training.model import GPT
+    from pretrain.training.model.gpt import GPT
 
     tok = CharTokenizer(list("abcdefgh"))
     shape = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8}

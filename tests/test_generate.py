@@ -17,7 +17,7 @@ from pretrain.config.tree import RunConfig
 from pretrain.data.tokenizer import CharTokenizer
 from pretrain.export import INFO, TOKENIZER, WEIGHTS
 from pretrain.generate import SampleCount, _Continuation, generate, stream_samples
-from pretrain.training.model import GPT, KVCache
+from pretrain.training.model.gpt import GPT, KVCache
 from tests.test_fuzz_commands import main, ok
 from tests.test_safety import one_error
 

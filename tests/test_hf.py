@@ -27,7 +27,7 @@ from pretrain.data.tokenizer import (
     hf_vocab_size,
 )
 from pretrain.export import hf_architecture, write_hf
-from pretrain.training.model import GPT
+from pretrain.training.model.gpt import GPT
 from tests.conftest import GPT2_RANKS, TINY_SHAKESPEARE
 
 transformers = pytest.importorskip("transformers", reason="transformers is a dev extra")

@@ -18,7 +18,7 @@ from pretrain.data.prepare import prepare
 from pretrain.data.shards import open_shard
 from pretrain.data.tokenizer import HF_TOKENIZER_FILE, HFTokenizer, load_tokenizer
 from pretrain.errors import CheckpointError, ConfigError, DataError
-from pretrain.training import init_from
+from pretrain.training.model import init_from
 from tests.conftest import TINY_SHAKESPEARE, cli
 
 TEXT = TINY_SHAKESPEARE.read_text(encoding="utf-8")[:100_000]

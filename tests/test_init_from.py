@@ -19,8 +19,8 @@ from pretrain.data.dataset import MANIFEST, TOKENIZER_FILE
 from pretrain.data.tokenizer import CharTokenizer, TiktokenTokenizer, load_tokenizer
 from pretrain.errors import CheckpointError, ConfigError
 from pretrain.export import hf_tokenizer, write_hf
-from pretrain.training import init_from
-from pretrain.training.model import GPT
+from pretrain.training.model import init_from
+from pretrain.training.model.gpt import GPT
 from tests.conftest import CORPUS, GPT2_RANKS, cli
 
 transformers = pytest.importorskip("transformers", reason="transformers is a dev extra")

@@ -143,7 +143,7 @@ def test_launch_environment_refuses_what_a_shell_would_expand():
 
 
 def test_slurm_step_discovery(monkeypatch):
-    from pretrain.training import ranks
+    from pretrain.training.distributed import ranks
 
     for k in [k for k in os.environ if k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "SLURM", "MASTER"))]:
         monkeypatch.delenv(k)

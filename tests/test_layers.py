@@ -1,9 +1,9 @@
 """The package's rooms and the rule between them, read from the source: each module imports only
 its own room and the rooms below it, and the light commands load no torch.
 
-    errors, files, logs  <-  config/  <-  data/  <-  cluster/  <-  training/  <-  export, generate, preflight, plot  <-  cli, cli_values, main
+    errors, files, logs  <-  config/  <-  data/  <-  cluster/  <-  plan/  <-  training/  <-  export, generate, preflight, plot  <-  cli, cli_values, main
 
-and inside training/, floors of their own (TRAINING_FLOORS).
+and inside training/, wings by job (WINGS) and floors (TRAINING_FLOORS).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ LAYERS = [
     {"config"},
     {"data"},
     {"cluster"},
+    {"plan"},
     {"training"},
     {"export", "generate", "preflight", "plot"},
     {"cli", "cli_values", "main", "__main__", "__init__"},
@@ -98,51 +99,84 @@ def test_no_import_cycle():
         visit(module, [])
 
 
-# training/ on its own floors: a module imports only the training modules on floors below its own.
-# The ground floor knows nothing of the others: who the ranks are (ranks.py rests on ds_internals.py
-# alone), the faults, the model. checkpoint.py (the format, saving) sits below resume.py (which one,
-# whether, loading) and universal.py (the conversion); the loop above everything it drives.
+# training/ in wings by job, in this order: the model (model/), the ranks and how each builds its part
+# (distributed/), checkpoints (checkpoint/), and the loop's own modules at the top of training/. A wing
+# imports its own modules, the wings before it, and the loop's ground floor: leaves that import nothing
+# of training (the faults, the LR schedule, metrics, the run dir, the watchdog, evaluation).
+WINGS = ["model", "distributed", "checkpoint", "loop"]
+
+# Inside training/, floors: a module imports only the training modules on floors below its own. Who
+# the ranks are rests on ds_internals alone; checkpoint.store (the format, saving) sits below resume
+# (which one, whether, loading) and universal (the conversion); the loop above everything it drives.
 TRAINING_FLOORS = [
     {
-        "ds_internals",
+        "distributed.ds_internals",
         "faults",
-        "model",
+        "model.gpt",
         "schedule",
         "metrics",
         "rundir",
         "watchdog",
         "evaluate",
-        "checkpoint_io",
+        "checkpoint.files",
     },
-    {"ranks", "init_from", "tensor_parallel"},
-    {"checkpoint", "guards", "pipeline"},
-    {"engine", "resume"},
-    {"run", "universal"},
+    {"distributed.ranks", "model.init_from", "distributed.tensor_parallel"},
+    {"checkpoint.store", "guards", "distributed.pipeline"},
+    {"distributed.engine", "checkpoint.resume"},
+    {"run", "checkpoint.universal"},
     {"loop"},
     {"entry"},
 ]
 
 
+def training_name(module: str) -> str | None:
+    """`pretrain.training.model.gpt` -> 'model.gpt'; None for training/ and its wings' packages."""
+    name = module.removeprefix("pretrain.training.")
+    return None if module == "pretrain.training" or name in WINGS else name
+
+
 def training_floor(module: str) -> int:
-    name = module.split(".")[-1]
+    name = training_name(module)
     return next(i for i, floor in enumerate(TRAINING_FLOORS) if name in floor)
 
 
+def wing(module: str) -> int:
+    name = training_name(module) or ""
+    return WINGS.index(name.split(".")[0]) if "." in name else WINGS.index("loop")
+
+
+def training_modules(g: dict[str, set[str]]) -> list[str]:
+    return [m for m in g if room(m) == "training" and training_name(m) is not None]
+
+
 def test_every_training_module_has_a_floor():
-    training = [m for m in graph() if room(m) == "training" and m != "pretrain.training"]
-    for module in training:
-        assert any(module.split(".")[-1] in floor for floor in TRAINING_FLOORS), f"{module}: on no floor"
+    for module in training_modules(graph()):
+        assert any(training_name(module) in floor for floor in TRAINING_FLOORS), f"{module}: on no floor"
 
 
 def test_training_imports_only_floors_below():
+    g = graph()
     wrong = [
         f"{module} (floor {training_floor(module)}) imports {dep} (floor {training_floor(dep)})"
-        for module, deps in graph().items()
-        if room(module) == "training" and module != "pretrain.training"
-        for dep in sorted(deps)
+        for module in training_modules(g)
+        for dep in sorted(g[module])
         if room(dep) == "training"
-        and dep != "pretrain.training"
+        and training_name(dep) is not None
         and training_floor(dep) >= training_floor(module)
+    ]
+    assert wrong == []
+
+
+def test_training_wings_import_only_wings_before_and_the_ground_floor():
+    g, ground = graph(), TRAINING_FLOORS[0]
+    wrong = [
+        f"{module} ({WINGS[wing(module)]}) imports {dep} ({WINGS[wing(dep)]})"
+        for module in training_modules(g)
+        for dep in sorted(g[module])
+        if room(dep) == "training"
+        and training_name(dep) is not None
+        and wing(dep) > wing(module)
+        and training_name(dep) not in ground
     ]
     assert wrong == []
 

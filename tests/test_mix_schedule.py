@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain.cluster.plan_report import plan_json, render_mix
-from pretrain.cluster.target import Target
 from pretrain.config.loading import deep_merge, parse_override
 from pretrain.config.mix import mix_points, shares_at, weight_at
 from pretrain.config.tree import validate
@@ -24,6 +22,8 @@ from pretrain.data.dataset import Dataset, datasets_sha256, open_datasets
 from pretrain.data.loader import _CHUNK, BLOCK, ShardedLoader, _interp
 from pretrain.data.shards import write_shard
 from pretrain.errors import ConfigError, DataError
+from pretrain.plan.report import plan_json, render_mix
+from pretrain.plan.target import Target
 from pretrain.training.metrics import MetricsLog
 from tests.test_loader import loaders, make_shards
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from pretrain.config.tree import ModelConfig, analytic_num_params
-from pretrain.training.model import GPT, Block, apply_rope, rope_cache
+from pretrain.training.model.gpt import GPT, Block, apply_rope, rope_cache
 
 VOCAB = 65
 

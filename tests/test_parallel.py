@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.training import checkpoint
+from pretrain.training.checkpoint import store as checkpoint
 from tests.conftest import CORPUS, ckpt, cli, torchrun
 
 pytestmark = pytest.mark.distributed

@@ -8,13 +8,13 @@ import os
 
 import pytest
 
-from pretrain.cluster.memory import activation_bytes, deepspeed_estimate, largest_layer_params, model_states
-from pretrain.cluster.plan import plan_stages
-from pretrain.cluster.rates import resolve_rates
-from pretrain.cluster.timing import Rates, comm_bytes, comm_elements, predict_step
 from pretrain.config.presets import build
 from pretrain.config.tree import analytic_flops_per_token, analytic_num_params, to_yaml
 from pretrain.errors import ConfigError
+from pretrain.plan.memory import activation_bytes, deepspeed_estimate, largest_layer_params, model_states
+from pretrain.plan.rates import resolve_rates
+from pretrain.plan.stages import plan_stages
+from pretrain.plan.timing import Rates, comm_bytes, comm_elements, predict_step
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 
 from pretrain.cli import main
-from pretrain.cluster.layout import stage_shares
-from pretrain.cluster.memory import (
+from pretrain.config.layout import Layout
+from pretrain.config.presets import build
+from pretrain.plan.layout import stage_shares
+from pretrain.plan.memory import (
     GB,
     PROCESS_HOST_GB,
     after_backward_bytes,
@@ -25,11 +27,9 @@ from pretrain.cluster.memory import (
     rank_states,
     snapshot_bytes,
 )
-from pretrain.cluster.plan import plan_stages
-from pretrain.cluster.rates import resolve_rates
-from pretrain.cluster.timing import predict_step
-from pretrain.config.layout import Layout
-from pretrain.config.presets import build
+from pretrain.plan.rates import resolve_rates
+from pretrain.plan.stages import plan_stages
+from pretrain.plan.timing import predict_step
 
 ROOT = Path(__file__).resolve().parents[1]
 A100X16 = ROOT / "hostfiles" / "a100x16"  # 2 nodes x 8 A100-80GB, hosts of 1024 GB
@@ -296,7 +296,7 @@ def worker(out: Path) -> None:
 
     from pretrain.config.ds_render import render_deepspeed
     from pretrain.config.tree import analytic_num_params
-    from pretrain.training import engine, ranks
+    from pretrain.training.distributed import engine, ranks
 
     dist = ranks.launch_env()
     ranks.init_distributed(dist)

@@ -11,12 +11,12 @@ import pytest
 
 from pretrain.cli import main
 from pretrain.cluster.hardware import gpu_memory_gb
-from pretrain.cluster.layout import stage_shares
-from pretrain.cluster.plan import plan_stages
-from pretrain.cluster.timing import Rates, bubble_fraction, hardware_flops_per_token, predict_step
 from pretrain.config.layout import Layout, layout_of
 from pretrain.config.presets import PRESETS, build
 from pretrain.config.tree import analytic_flops_per_token, analytic_num_params
+from pretrain.plan.layout import stage_shares
+from pretrain.plan.stages import plan_stages
+from pretrain.plan.timing import Rates, bubble_fraction, hardware_flops_per_token, predict_step
 from tests.conftest import ROOT, subprocess_env
 from tests.test_plan_target import configured_row
 

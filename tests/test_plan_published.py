@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from pretrain.cli import main
-from pretrain.cluster.evidence import FWD_BWD_EFFICIENCY, PUBLISHED, gpu_class, size_class
-from pretrain.cluster.published import implied_efficiency
 from pretrain.config.tree import analytic_num_params
+from pretrain.plan.evidence import FWD_BWD_EFFICIENCY, PUBLISHED, gpu_class, size_class
+from pretrain.plan.published import implied_efficiency
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "plan.md"
 RUNS = {r.name: r for r in PUBLISHED}
@@ -91,7 +91,7 @@ def test_each_efficiency_is_the_mean_its_runs_imply_and_every_fitted_run_is_used
 
 
 def plan_params(run) -> int:
-    from pretrain.cluster.published import plan_of
+    from pretrain.plan.published import plan_of
 
     cfg, _, _ = plan_of(run)
     return analytic_num_params(cfg.model)

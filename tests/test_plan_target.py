@@ -11,10 +11,10 @@ import pytest
 
 from pretrain.cli import main
 from pretrain.cluster.launch import hostfile_target
-from pretrain.cluster.memory import deepspeed_estimate, largest_layer_params
-from pretrain.cluster.plan import plan_stages
 from pretrain.config.presets import build
 from pretrain.errors import HostfileError
+from pretrain.plan.memory import deepspeed_estimate, largest_layer_params
+from pretrain.plan.stages import plan_stages
 
 ROOT = Path(__file__).resolve().parents[1]
 A100X16 = ROOT / "hostfiles" / "a100x16"

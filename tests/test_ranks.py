@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from pretrain.cluster.reach import free_port
 from pretrain.errors import ConfigError, OutputError
-from pretrain.training.ranks import leave_distributed, rank_0_acts, world_group
+from pretrain.training.distributed.ranks import leave_distributed, rank_0_acts, world_group
 
 
 def _rank(rank: int, port: int, out: str) -> None:

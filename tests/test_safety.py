@@ -20,7 +20,8 @@ import torch
 
 from pretrain.config.layout import Layout
 from pretrain.errors import CheckpointError, DataError
-from pretrain.training import checkpoint, resume
+from pretrain.training.checkpoint import resume
+from pretrain.training.checkpoint import store as checkpoint
 from tests.conftest import BIN, ROOT, TINY_SHAKESPEARE, cli, subprocess_env, torchrun
 
 TINY = [

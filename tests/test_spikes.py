@@ -24,7 +24,8 @@ import torch
 
 from pretrain.config.presets import build
 from pretrain.errors import ConfigError
-from pretrain.training import checkpoint, ranks
+from pretrain.training.checkpoint import store as checkpoint
+from pretrain.training.distributed import ranks
 from pretrain.training.faults import Faults
 from pretrain.training.guards import SpikeRule, start_agreement
 from pretrain.training.loop import TrainResult, train

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pretrain.cluster.supervise import rank_arguments, restart_count
-from pretrain.training import checkpoint
+from pretrain.training.checkpoint import store as checkpoint
 from tests.conftest import BIN, CORPUS, ROOT, SUPERVISED, cli, subprocess_env
 
 

@@ -1,7 +1,7 @@
 """What a Hugging Face model directory's config.json describes, in this tree's terms: the class, and
 the model section's shape (`model.init_from`). Read without torch, so that the config is built
 with the shape the run will have (`init_from.config`) by the light commands too; the weights are
-`training/init_from.py`'s."""
+`training/model/init_from.py`'s."""
 
 from __future__ import annotations
 

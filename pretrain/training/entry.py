@@ -14,8 +14,8 @@ from pretrain.config.tree import DataConfig, RunConfig
 from pretrain.data.dataset import MANIFEST
 from pretrain.data.prepare import prepare
 from pretrain.errors import PretrainError, RankLostError
-from pretrain.training import ranks
-from pretrain.training.checkpoint import committed_tags
+from pretrain.training.checkpoint.store import committed_tags
+from pretrain.training.distributed import ranks
 from pretrain.training.loop import train
 
 

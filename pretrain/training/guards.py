@@ -20,8 +20,8 @@ import torch.distributed as tdist
 
 from pretrain.config.run_sections import CheckpointConfig
 from pretrain.config.tree import RunConfig
+from pretrain.training.distributed.ranks import Dist
 from pretrain.training.faults import Faults
-from pretrain.training.ranks import Dist
 from pretrain.training.watchdog import Watchdog
 
 # ---------------------------------------------------------------------------------------------

@@ -18,8 +18,12 @@ from pretrain.cluster.hardware import cpu_native_bf16, device_peak_tflops
 from pretrain.config.tree import RunConfig, analytic_flops_per_token
 from pretrain.data.dataset import TOKENIZER_FILE
 from pretrain.errors import CheckpointError
-from pretrain.training import checkpoint
-from pretrain.training import engine as ds_engine
+from pretrain.training.checkpoint import store as checkpoint
+from pretrain.training.checkpoint.resume import Checkpoint
+from pretrain.training.checkpoint.resume import find as find_checkpoint
+from pretrain.training.checkpoint.resume import load as load_checkpoint
+from pretrain.training.distributed import engine as ds_engine
+from pretrain.training.distributed.ranks import Dist, gather
 from pretrain.training.evaluate import evaluate, sample
 from pretrain.training.faults import Faults
 from pretrain.training.guards import Agreement, Sentinel, SpikeRule, start_agreement
@@ -31,10 +35,6 @@ from pretrain.training.metrics import (
     seconds_since_process_start,
     summarize,
 )
-from pretrain.training.ranks import Dist, gather
-from pretrain.training.resume import Checkpoint
-from pretrain.training.resume import find as find_checkpoint
-from pretrain.training.resume import load as load_checkpoint
 from pretrain.training.run import Run, setup
 from pretrain.training.schedule import lr_at
 

@@ -22,12 +22,14 @@ from pretrain.data.loader import ShardedLoader
 from pretrain.data.staging import stage_datasets
 from pretrain.data.tokenizer import Tokenizer, load_tokenizer
 from pretrain.errors import CheckpointError, ConfigError, DataError, OutputError
-from pretrain.training import checkpoint, init_from, rundir
-from pretrain.training import engine as ds_engine
+from pretrain.training import rundir
+from pretrain.training.checkpoint import store as checkpoint
+from pretrain.training.checkpoint.resume import Checkpoint, check_compatible, place_resume
+from pretrain.training.checkpoint.resume import find as find_checkpoint
+from pretrain.training.distributed import engine as ds_engine
+from pretrain.training.distributed.ranks import Dist, control_group, gather, rank_0_acts, set_roster
 from pretrain.training.metrics import available_monitors, start_wandb
-from pretrain.training.ranks import Dist, control_group, gather, rank_0_acts, set_roster
-from pretrain.training.resume import Checkpoint, check_compatible, place_resume
-from pretrain.training.resume import find as find_checkpoint
+from pretrain.training.model import init_from
 
 
 @dataclass

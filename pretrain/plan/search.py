@@ -11,14 +11,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from pretrain.cluster.layout import layout_variants
-from pretrain.cluster.plan import offload_name, plan_stages
-from pretrain.cluster.target import Target
-from pretrain.cluster.timing import Rates, predict_step
 from pretrain.config.layout import Layout
 from pretrain.config.loading import deep_merge, parse_override
 from pretrain.config.tree import ModelConfig, RunConfig, validate
 from pretrain.errors import ConfigError
+from pretrain.plan.layout import layout_variants
+from pretrain.plan.stages import offload_name, plan_stages
+from pretrain.plan.target import Target
+from pretrain.plan.timing import Rates, predict_step
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pretrain.config.tree import RunConfig
 from pretrain.data.dataset import Dataset, datasets_sha256
 from pretrain.errors import CheckpointError, DataError
 from pretrain.files import fsync_dir
-from pretrain.training.checkpoint import (
+from pretrain.training.checkpoint.store import (
     META,
     UNIVERSAL,
     committed_tags,
@@ -32,8 +32,8 @@ from pretrain.training.checkpoint import (
     verify,
     verify_all,
 )
-from pretrain.training.ds_internals import load_universal_next
-from pretrain.training.ranks import barrier, world_of
+from pretrain.training.distributed.ds_internals import load_universal_next
+from pretrain.training.distributed.ranks import barrier, world_of
 
 
 @dataclass(frozen=True)

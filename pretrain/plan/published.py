@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pretrain.cluster.evidence import PublishedRun
 from pretrain.cluster.hardware import gpu_memory_gb
-from pretrain.cluster.plan import plan_stages
-from pretrain.cluster.rates import resolve_rates
-from pretrain.cluster.target import Target, host_memory_gb
-from pretrain.cluster.timing import Rates, predict_step
 from pretrain.config.presets import build
 from pretrain.config.tree import RunConfig, analytic_num_params
+from pretrain.plan.evidence import PublishedRun
+from pretrain.plan.rates import resolve_rates
+from pretrain.plan.stages import plan_stages
+from pretrain.plan.target import Target, host_memory_gb
+from pretrain.plan.timing import Rates, predict_step
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,15 @@ import torch
 
 from pretrain.cluster import launch
 from pretrain.cluster.hardware import gpu_memory_gb
-from pretrain.cluster.memory import GB
-from pretrain.cluster.rates import resolve_rates
 from pretrain.cluster.reach import is_this_machine
 from pretrain.cluster.supervise import restart_count
-from pretrain.cluster.timing import Rates
 from pretrain.config.presets import PRESETS, build_checked
 from pretrain.config.tree import RunConfig
 from pretrain.data.dataset import resolve_vocab, vocab_size
 from pretrain.errors import ConfigError
+from pretrain.plan.memory import GB
+from pretrain.plan.rates import resolve_rates
+from pretrain.plan.timing import Rates
 
 
 @dataclass

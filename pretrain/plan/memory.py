@@ -45,9 +45,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pretrain.cluster.layout import StageShare, in_flight, layer_params, recomputes
 from pretrain.config.layout import Layout
 from pretrain.config.tree import RunConfig
+from pretrain.plan.layout import StageShare, in_flight, layer_params, recomputes
 
 GB = 1e9
 
@@ -353,7 +353,7 @@ def bucket_written_bytes(cfg: RunConfig, n_params: int, *, stage: int) -> float:
 
 
 def build_bytes(cfg: RunConfig, layout: Layout, share: StageShare) -> float:
-    """The most a rank holds while its model is built, in fp32 on its device (training/engine.py): the
+    """The most a rank holds while its model is built, in fp32 on its device (training/distributed/engine.py): the
     whole GPT without tensor or pipeline parallelism (at ZeRO-3 under zero.Init its partition and the
     module being built), else its shard and the one layer being cut to it, whole."""
     m = cfg.model

@@ -46,10 +46,9 @@ from torch.nn import functional as F
 from pretrain.config.ds_render import pipeline_checkpoint_interval
 from pretrain.config.layout import layout_of
 from pretrain.config.tree import ModelConfig, RunConfig, required_vocab_size
-from pretrain.training import init_from
-from pretrain.training.ds_internals import set_tensor_group, stage_grid, stage_start
-from pretrain.training.init_from import Source
-from pretrain.training.model import (
+from pretrain.training.distributed.ds_internals import set_tensor_group, stage_grid, stage_start
+from pretrain.training.model import init_from
+from pretrain.training.model.gpt import (
     Block,
     HasDerivedBuffers,
     cross_entropy,
@@ -58,6 +57,7 @@ from pretrain.training.model import (
     norm,
     rope_cache,
 )
+from pretrain.training.model.init_from import Source
 
 TIED = "wte"  # the key of the tied embedding / head in the PipelineModule
 
@@ -280,7 +280,7 @@ def _materialize_stage(module: Any, build: StageBuild) -> None:
     """Each of this stage's layers in turn: storage on `build.where` and the initial weights it has in
     the whole GPT (model.materialize), `init_from`'s weights (this rank's slices), and its tensor-
     parallel share. Only the blocks hold split matrices; the embeddings, norms and head stay whole."""
-    from pretrain.training.tensor_parallel import TensorSharder, materialize_layer
+    from pretrain.training.distributed.tensor_parallel import TensorSharder, materialize_layer
 
     cfg, m, layout = build.cfg, build.cfg.model, layout_of(build.cfg)
     names = gpt_names(m)

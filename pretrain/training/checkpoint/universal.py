@@ -13,7 +13,8 @@ from typing import Any
 
 from pretrain.errors import CheckpointError
 from pretrain.files import replace_dir, write_atomic
-from pretrain.training.checkpoint import (
+from pretrain.training.checkpoint.resume import locate
+from pretrain.training.checkpoint.store import (
     META,
     TMP,
     TRASH,
@@ -25,7 +26,6 @@ from pretrain.training.checkpoint import (
     seal,
     verify,
 )
-from pretrain.training.resume import locate
 
 
 def convert_to_universal(src: Path, workers: int = 1, checksums: bool = True) -> tuple[Path, bool]:

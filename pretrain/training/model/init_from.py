@@ -37,7 +37,7 @@ from pretrain.config.hf import fail as _fail
 from pretrain.config.tree import InitFromConfig, ModelConfig, RunConfig, required_vocab_size
 from pretrain.data.dataset import resolve_vocab
 from pretrain.errors import CheckpointError
-from pretrain.training.model import GPT
+from pretrain.training.model.gpt import GPT
 
 WEIGHTS = "model.safetensors"
 # Buffers older transformers versions saved beside the weights: derived, never loaded.

@@ -30,7 +30,7 @@ from torch import nn
 
 from pretrain.config.ds_render import autotp_layer_specs
 from pretrain.config.tree import ModelConfig
-from pretrain.training.model import Block, HasDerivedBuffers, materialize
+from pretrain.training.model.gpt import Block, HasDerivedBuffers, materialize
 
 Load = Callable[[Mapping[str, nn.Parameter]], None]  # writes init_from's weights into parameters by GPT name
 

@@ -24,7 +24,7 @@ import torch.distributed as tdist
 from pretrain.cluster.launch import launcher
 from pretrain.cluster.reach import free_port, who_holds
 from pretrain.errors import LaunchError, PretrainError, require
-from pretrain.training.ds_internals import skip_shm_comm_op
+from pretrain.training.distributed.ds_internals import skip_shm_comm_op
 
 T = TypeVar("T")
 

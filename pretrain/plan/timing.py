@@ -42,10 +42,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from pretrain.cluster.layout import StageShare, layout_variants, recomputes, stage_shares
-from pretrain.cluster.memory import gradient_comm_bytes
 from pretrain.config.layout import Layout, layout_of
 from pretrain.config.tree import ModelConfig, RunConfig
+from pretrain.plan.layout import StageShare, layout_variants, recomputes, stage_shares
+from pretrain.plan.memory import gradient_comm_bytes
 
 
 def comm_split(n_params: int, stage: int, grad_accum: int) -> tuple[float, float]:

@@ -55,7 +55,7 @@ Under a layout of tensor (t) x pipeline (p) x data-parallel (d) ranks (`parallel
   steps), checkpointing every `parallel.activation_checkpoint_interval` blocks.
 
 The time a step takes is `timing`'s, the layouts that fit when this one does not `search`'s, and
-what `pretrain plan` prints `plan_report`'s.
+what `pretrain plan` prints `report`'s.
 """
 
 from __future__ import annotations
@@ -63,8 +63,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pretrain.cluster.layout import layout_variants, stage_shares
-from pretrain.cluster.memory import (
+from pretrain.config.layout import layout_of
+from pretrain.config.tree import RunConfig
+from pretrain.plan.layout import layout_variants, stage_shares
+from pretrain.plan.memory import (
     GB,
     deepspeed_estimate,
     host_at_start,
@@ -72,9 +74,7 @@ from pretrain.cluster.memory import (
     rank_memory,
     snapshot_bytes,
 )
-from pretrain.cluster.timing import comm_bytes, pp_comm_bytes, tp_comm_bytes
-from pretrain.config.layout import layout_of
-from pretrain.config.tree import RunConfig
+from pretrain.plan.timing import comm_bytes, pp_comm_bytes, tp_comm_bytes
 
 
 @dataclass

@@ -41,7 +41,7 @@ from pretrain.errors import CheckpointError
 from pretrain.files import format_bytes as _size
 from pretrain.files import fsync_dir, write_atomic
 from pretrain.training import rundir
-from pretrain.training.checkpoint_io import (
+from pretrain.training.checkpoint.files import (
     Background,
     FileSink,
     describe,
@@ -53,8 +53,8 @@ from pretrain.training.checkpoint_io import (
     tensor_bytes,
     without_zip_crc,
 )
+from pretrain.training.distributed.ranks import barrier, control_group, gather, world_of
 from pretrain.training.faults import Faults
-from pretrain.training.ranks import barrier, control_group, gather, world_of
 
 META = "pretrain_meta.json"
 TOKENIZER = TOKENIZER_FILE  # a copy of the dataset's, so that a checkpoint samples on its own
@@ -290,7 +290,7 @@ def client_state(
 
 class _RecordingEngine:
     """Wraps DeepSpeed's checkpoint engine. Each file this rank writes is written without the zip
-    CRC, then hashed and fsynced on a thread while the next is written (checkpoint_io.py), and
+    CRC, then hashed and fsynced on a thread while the next is written (files.py), and
     recorded; a failed write (full disk) is recorded instead of raised, so that every rank still
     reaches DeepSpeed's own barriers and all can fail together. While `capture` is on (an
     asynchronous save), each state dict is snapshotted and kept, and written later by `write_all`."""

@@ -15,11 +15,11 @@ from pretrain.config.engine_sections import CompileConfig, PrecisionConfig
 from pretrain.config.layout import Layout, layout_of
 from pretrain.config.tree import RunConfig
 from pretrain.errors import ConfigError
-from pretrain.training import init_from
-from pretrain.training.ds_internals import init_tensor_mesh, turn_off_engine_clipping
-from pretrain.training.init_from import Source
-from pretrain.training.model import GPT, init_seed, param_groups
-from pretrain.training.ranks import device
+from pretrain.training.distributed.ds_internals import init_tensor_mesh, turn_off_engine_clipping
+from pretrain.training.distributed.ranks import device
+from pretrain.training.model import init_from
+from pretrain.training.model.gpt import GPT, init_seed, param_groups
+from pretrain.training.model.init_from import Source
 
 
 def build_model(cfg: RunConfig, ds_config: dict[str, Any], init: Source | None = None) -> Any:
@@ -32,7 +32,7 @@ def build_model(cfg: RunConfig, ds_config: dict[str, Any], init: Source | None =
     device's generator, as a one-rank run draws them, so every layout starts from the same weights."""
     where, layout = device(), layout_of(cfg)
     if layout.pipelined:
-        from pretrain.training.pipeline import build_pipeline
+        from pretrain.training.distributed.pipeline import build_pipeline
 
         return build_pipeline(cfg, where, init)
     if layout.tensor_parallel:
@@ -80,7 +80,7 @@ def build_tensor_parallel(cfg: RunConfig, where: torch.device, init: Source | No
     rank (init_from.load_shares), and, for a block, cut by AutoTP to this rank's share a part at a
     time (tensor_parallel.materialize_layer). The embeddings, the norms and the head stay whole, as
     AutoTP leaves them."""
-    from pretrain.training.tensor_parallel import TensorSharder, materialize_layer
+    from pretrain.training.distributed.tensor_parallel import TensorSharder, materialize_layer
 
     m = cfg.model
     groups = tensor_parallel_groups(cfg)

@@ -6,12 +6,17 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from pretrain.cluster.layout import recomputes, stage_shares
-from pretrain.cluster.memory import GB, PROCESS_HOST_GB, gradient_comm_bytes
-from pretrain.cluster.plan import Budget, StagePlan, offload_name, plan_budget, plan_stages
-from pretrain.cluster.search import search_layouts, with_overrides
-from pretrain.cluster.target import Target
-from pretrain.cluster.timing import (
+from pretrain.config.ds_render import render_deepspeed
+from pretrain.config.engine_sections import ZeroConfig
+from pretrain.config.layout import Layout, layout_of
+from pretrain.config.mix import mix_names, mix_plan, mix_points
+from pretrain.config.tree import RunConfig, analytic_num_params
+from pretrain.plan.layout import recomputes, stage_shares
+from pretrain.plan.memory import GB, PROCESS_HOST_GB, gradient_comm_bytes
+from pretrain.plan.search import search_layouts, with_overrides
+from pretrain.plan.stages import Budget, StagePlan, offload_name, plan_budget, plan_stages
+from pretrain.plan.target import Target
+from pretrain.plan.timing import (
     Rates,
     bubble_fraction,
     elem_bytes,
@@ -20,11 +25,6 @@ from pretrain.cluster.timing import (
     step_times,
     tp_comm_bytes,
 )
-from pretrain.config.ds_render import render_deepspeed
-from pretrain.config.engine_sections import ZeroConfig
-from pretrain.config.layout import Layout, layout_of
-from pretrain.config.mix import mix_names, mix_plan, mix_points
-from pretrain.config.tree import RunConfig, analytic_num_params
 
 
 def _gb(x: float | None) -> str:
@@ -120,7 +120,7 @@ def render_plan(cfg: RunConfig, to: Target, rates: Rates | None = None, *, searc
         *([f"note: {to.note}"] if to.note else []),
         f"Memory per rank in GB, {layout}, world size {world}; device memory {_gb(device_gb)} GB "
         f"({to.device_src}); host memory {_gb(to.host_gb)} GB a node.",
-        "Model states by the ZeRO paper and DeepSpeed's buffers (see `pretrain/cluster/memory.py`), ZeRO sharding "
+        "Model states by the ZeRO paper and DeepSpeed's buffers (see `pretrain/plan/memory.py`), ZeRO sharding "
         f"over the {layout.data} data-parallel rank{'s' if layout.data > 1 else ''}; DeepSpeed's estimate assumes "
         "16-bit training summed in 16 bits (2 + 18 bytes/param), gives host memory per node, and has no estimator "
         "for stages 0 and 1.",

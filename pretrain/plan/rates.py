@@ -14,16 +14,16 @@ from pathlib import Path
 
 import torch
 
-from pretrain.cluster.evidence import default_efficiency, gpu_class
 from pretrain.cluster.hardware import GPU_PEAK_TFLOPS, device_peak_tflops, gpu_peak_tflops
-from pretrain.cluster.layout import stage_shares
-from pretrain.cluster.timing import Rates, comm_seconds, core_share, group_busbw, stage_times
 from pretrain.config.engine_sections import PrecisionConfig
 from pretrain.config.layout import Layout
 from pretrain.config.loading import load_file
 from pretrain.config.tree import RunConfig, analytic_num_params, validate
 from pretrain.errors import ConfigError, DataError
 from pretrain.files import read_csv
+from pretrain.plan.evidence import default_efficiency, gpu_class
+from pretrain.plan.layout import stage_shares
+from pretrain.plan.timing import Rates, comm_seconds, core_share, group_busbw, stage_times
 
 # Assumed when neither a flag, a previous run nor preflight gives them.
 ASSUMED_MFU = 0.4  # a GPU outside `evidence.FWD_BWD_EFFICIENCY`, or a CPU
