@@ -139,18 +139,19 @@ def test_data_prepare_refuses_a_binary_file_and_a_symlink_loop(tmp_path: Path) -
 
 
 def test_missing_optional_package_names_its_extra(tmp_path: Path) -> None:
-    """pyarrow, zstandard and datasketch blocked from import, as on a machine without the extras."""
+    """pyarrow, zstandard, datasketch and ray blocked from import, as on a machine without the extras."""
     (tmp_path / "c.parquet").write_bytes(b"PAR1")
     (tmp_path / "c.jsonl.zst").write_bytes(b"")
     (tmp_path / "c.txt").write_text("a document\n")
     code = (
-        "import sys; sys.modules['pyarrow'] = sys.modules['zstandard'] = sys.modules['datasketch'] = None; "
+        "import sys; sys.modules['pyarrow'] = sys.modules['zstandard'] = sys.modules['datasketch'] = sys.modules['ray'] = None; "
         "from pretrain.cli import main; sys.exit(main(sys.argv[1:]))"
     )
     for args, extra in (
         ([f"--set=data.corpus={tmp_path / 'c.parquet'}"], "parquet"),
         ([f"--set=data.corpus={tmp_path / 'c.jsonl.zst'}"], "zstd"),
         ([f"--set=data.corpus={tmp_path / 'c.txt'}", "--set=data.clean.near_dedup=true"], "near-dedup"),
+        ([f"--set=data.corpus={tmp_path / 'c.txt'}", "--set=data.tasks=2", "--set=data.executor=ray"], "ray"),
     ):
         out = subprocess.run(
             [sys.executable, "-c", code, "data", "prepare", *args],

@@ -1,31 +1,36 @@
 """A stage of a prepare run as independent tasks, on this host, a Slurm cluster or a Ray cluster.
 
 `run_stage` runs every task `step(rank, world_size)` of a stage that has not completed yet, on
-`data.executor`, through datatrove's executors: each task's log, stats and completion marker are
-datatrove's (`logs/logs/task_NNNNN.log`, `logs/stats/`, `logs/completions/NNNNN`), so a relaunch of
-the prepare skips the tasks completed before and reruns the others. A task is idempotent and writes
-its outputs atomically, so a rerun gives the same bytes. Any task that did not complete (it raised,
-or its process was killed, kill -9 and the out-of-memory killer included) is named, with its log,
-in one DataError once every other task of the stage has run.
+`data.executor`, through datatrove's executors and their public API only: each task's log, stats and
+completion marker are datatrove's (`logs/logs/task_NNNNN.log`, `logs/stats/`, `logs/completions/NNNNN`),
+so a relaunch of the prepare skips the tasks completed before and reruns the others. A task is
+idempotent and writes its outputs atomically, so a rerun gives the same bytes. Any task that did not
+complete (it raised, or its process was killed, kill -9 and the out-of-memory killer included) is
+named, with its log, in one DataError once every other task of the stage has run.
 
 - local: a process per task (a fork server starts them), `data.workers` at once (None: the usable
-  cores), or with `data.workers` 0 one after the other in this process. Each process calls the
-  executor's `_run_for_rank` (datatrove 0.10.1): `LocalPipelineExecutor.run` itself runs the tasks
-  in a multiprocess Pool, which waits forever for a task whose worker was killed.
-- slurm: one job array per stage, submitted with sbatch from this host (a login node), and waited
-  for. The compute nodes run this interpreter with this process's import paths, so they must see
-  the same file system at the same paths: the venv, the code, `logs` and the dataset.
-- ray: a Ray task per task on the cluster at `data.ray.address` (or on a Ray instance started here
-  for the stage), each running the executor's per-task entry as the local tasks do, never retried:
-  datatrove's RayPipelineExecutor runs its ranks in a process pool inside an actor, which waits
-  forever for a rank whose process was killed. Its workers start with this interpreter and this
-  process's import paths: the nodes share the file system, as for Slurm. Usage stats and the
-  dashboard are off.
+  cores), or with `data.workers` 0 one after the other in this process. Each runs datatrove's
+  `LocalPipelineExecutor` of its one rank (`local_tasks=1`, `local_rank_offset=rank`, one worker,
+  which runs it in the calling process). Not one executor of every rank: its Pool waits forever for
+  a task whose worker was killed.
+- slurm: one job array per stage, submitted with sbatch from this host (a login node) by datatrove's
+  `SlurmPipelineExecutor`, and waited for. The compute nodes run this interpreter with this
+  process's import paths, so they must see the same file system at the same paths: the venv, the
+  code, `logs` and the dataset.
+- ray (the `ray` extra): a Ray task per task on the cluster at `data.ray.address` (or on a Ray
+  instance started here for the stage), each running its rank's executor as the local tasks do,
+  never retried: datatrove's RayPipelineExecutor runs its ranks in a process pool inside an actor,
+  which waits forever for a rank whose process was killed. Its workers start with this interpreter
+  and this process's import paths: the nodes share the file system, as for Slurm. Usage stats and
+  the dashboard are off.
+
+Local and Ray tasks are started and waited for by one loop (`_schedule`), `n` at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -40,8 +45,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from datatrove.executor.local import LocalPipelineExecutor
 from datatrove.executor.slurm import SlurmPipelineExecutor
@@ -50,7 +56,7 @@ from loguru import logger
 
 from pretrain.config.tree import DataConfig
 from pretrain.data.workers import exit_with_main, fork_server_context
-from pretrain.errors import DataError
+from pretrain.errors import DataError, require
 from pretrain.files import write_atomic
 
 Step = Callable[[int, int], None]
@@ -58,6 +64,7 @@ Log = Callable[[str], None]
 
 PROGRESS_S = 30.0  # at most one progress line this often
 SHOWN_RANKS = 8  # the ranks a failure names one by one; the rest are counted
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class StageStep(PipelineStep):
@@ -181,19 +188,53 @@ def _import_paths(step: Step) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# local
+# one task, through datatrove's public API: the executor of that one rank, run where it is
 
 
-def _local_executor(step: Step, tasks: int, logs: Path) -> LocalPipelineExecutor:
-    return LocalPipelineExecutor(
-        pipeline=[StageStep(step)], tasks=tasks, workers=1, logging_dir=str(logs), skip_completed=True
+def _run_rank(step: Step, tasks: int, logs: Path, rank: int) -> None:
+    """Task `rank` of `tasks` by datatrove's own executor for that one rank (`local_tasks=1` at
+    `local_rank_offset=rank`, one worker: it runs in this process), so its task log, stats and
+    completion marker are datatrove's. Its log lines go to the task's log, not to stderr. Whatever
+    this process forks meanwhile (the executor's manager process) dies with it, kill -9 included."""
+    executor = LocalPipelineExecutor(
+        pipeline=[StageStep(step)],
+        tasks=tasks,
+        workers=1,
+        local_tasks=1,
+        local_rank_offset=rank,
+        logging_dir=str(logs),
+        skip_completed=True,
     )
+    _Forks.watch()
+    _Forks.task_pid = os.getpid()
+    try:
+        with contextlib.redirect_stderr(_Discard()):
+            executor.run()
+    finally:
+        _Forks.task_pid = 0
 
 
-def _run_task(step: Step, tasks: int, logs: Path, rank: int) -> None:
-    """One task through datatrove (its task log, stats and completion marker), its log lines off stderr."""
-    with contextlib.redirect_stderr(_Discard()):
-        _local_executor(step, tasks, logs)._run_for_rank(rank)
+class _Forks:
+    """While a task runs, a process it forks gets SIGKILL when the task's process ends (Linux's
+    PR_SET_PDEATHSIG): datatrove's executor starts a manager process that would outlive a killed task."""
+
+    task_pid = 0  # the process running a task, while it runs one
+    watching = False
+
+    @classmethod
+    def watch(cls) -> None:
+        if not cls.watching and sys.platform == "linux":
+            os.register_at_fork(after_in_child=cls._die_with_task)
+            cls.watching = True
+
+    @classmethod
+    def _die_with_task(cls) -> None:
+        if not cls.task_pid:
+            return
+        pid, cls.task_pid = cls.task_pid, 0
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != pid:  # the task ended before the line above
+            os._exit(1)
 
 
 def _summary(e: BaseException) -> str:
@@ -202,15 +243,122 @@ def _summary(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def _task_process(
-    step: Step, tasks: int, logs: Path, rank: int, main: multiprocessing.connection.Connection
-) -> None:
+# ---------------------------------------------------------------------------------------------
+# local and Ray: one loop starts the tasks, `n` at once, and notes each that ends
+
+
+class _Runner(Protocol):
+    """Where the tasks of a stage run: this process, this host's processes, or Ray."""
+
+    def start(self, rank: int) -> None: ...
+
+    def ended(self) -> list[tuple[int, str | None]]:
+        """Waits for a task to end; each task that ended since, with why it did not complete (None: it did)."""
+        ...
+
+    def stop(self) -> None:
+        """Stops every task still running, now."""
+        ...
+
+
+def _schedule(
+    runner: _Runner, n: int, *, logs: Path, stage: str, tasks: int, todo: list[int], say: Log
+) -> dict[int, str]:
+    """The tasks `todo` on `runner`, `n` at once. A task that fails or is killed is noted and the
+    others go on; a Ctrl-C (or any error here) stops every running task before it is raised."""
+    pending = list(reversed(todo))
+    running: set[int] = set()
+    failed: dict[int, str] = {}
+    done, shown = tasks - len(todo), time.monotonic()
+    try:
+        while pending or running:
+            while pending and len(running) < n:
+                rank = pending.pop()
+                runner.start(rank)
+                running.add(rank)
+            for rank, why in runner.ended():
+                running.discard(rank)
+                if why is None and (logs / "completions" / f"{rank:05d}").is_file():
+                    done += 1
+                    continue
+                failed[rank] = why or "it ended without completing"
+                say(f"stage {stage}: task {rank} did not complete ({failed[rank]}), the others go on")
+            if time.monotonic() - shown >= PROGRESS_S:
+                say(f"stage {stage}: {done}/{tasks} tasks done")
+                shown = time.monotonic()
+    finally:
+        if running:
+            runner.stop()
+    return failed
+
+
+@dataclass
+class _InProcess:
+    """data.workers 0: each task in this process, when it is started."""
+
+    step: Step
+    tasks: int
+    logs: Path
+    outcomes: list[tuple[int, str | None]] = field(default_factory=list)
+
+    def start(self, rank: int) -> None:
+        try:
+            _run_rank(self.step, self.tasks, self.logs, rank)
+            self.outcomes.append((rank, None))
+        except Exception as e:
+            self.outcomes.append((rank, _summary(e)))
+
+    def ended(self) -> list[tuple[int, str | None]]:
+        outcomes, self.outcomes = self.outcomes, []
+        return outcomes
+
+    def stop(self) -> None:
+        pass
+
+
+class _Processes:
+    """A process per task on this host, started by a fork server (its imports done once)."""
+
+    def __init__(self, step: Step, tasks: int, logs: Path) -> None:
+        self.step, self.tasks, self.logs = step, tasks, logs
+        self.ctx = fork_server_context(__name__, type(step).__module__)
+        self.running: dict[int, tuple[multiprocessing.process.BaseProcess, Connection]] = {}
+
+    def start(self, rank: int) -> None:
+        ours, theirs = self.ctx.Pipe()
+        task = self.ctx.Process(
+            target=_task_process, args=(self.step, self.tasks, self.logs, rank, theirs), daemon=True
+        )
+        task.start()
+        theirs.close()
+        self.running[rank] = (task, ours)
+
+    def ended(self) -> list[tuple[int, str | None]]:
+        sentinels = set(multiprocessing.connection.wait([proc.sentinel for proc, _ in self.running.values()]))
+        outcomes: list[tuple[int, str | None]] = []
+        for rank in [r for r, (proc, _) in self.running.items() if proc.sentinel in sentinels]:
+            proc, pipe = self.running.pop(rank)
+            proc.join()
+            outcomes.append((rank, None if proc.exitcode == 0 else _ended(proc, pipe)))
+            pipe.close()
+        return outcomes
+
+    def stop(self) -> None:
+        for proc, _ in self.running.values():
+            proc.kill()
+        for proc, pipe in self.running.values():
+            proc.join()
+            pipe.close()
+        self.running.clear()
+
+
+def _task_process(step: Step, tasks: int, logs: Path, rank: int, main: Connection) -> None:
     """A task's own process: Ctrl-C is the main process's to handle, it ends when the main process is gone
     (even by kill -9), and what a failed task raised goes back to the main process in a line."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=exit_with_main, args=(main,), daemon=True).start()
     try:
-        _run_task(step, tasks, logs, rank)
+        _run_rank(step, tasks, logs, rank)
     except Exception as e:
         with contextlib.suppress(OSError):
             main.send_bytes(_summary(e).encode())
@@ -218,7 +366,7 @@ def _task_process(
         os._exit(1)
 
 
-def _ended(proc: multiprocessing.process.BaseProcess, pipe: multiprocessing.connection.Connection) -> str:
+def _ended(proc: multiprocessing.process.BaseProcess, pipe: Connection) -> str:
     """Why a task's process ended without completing: what it raised, or the signal that killed it."""
     code = proc.exitcode or 0
     if code < 0:
@@ -236,56 +384,10 @@ def _run_local(data: DataConfig, logs: Path, stage: str, step: Step, tasks: int,
         return {}
     n = data.workers if data.workers is not None else len(os.sched_getaffinity(0))
     _progress(say, stage, tasks, tasks - len(todo), len(todo), "on this host" if n else "in this process")
-    if n == 0:
-        failed: dict[int, str] = {}
-        for rank in todo:
-            try:
-                _run_task(step, tasks, logs, rank)
-            except Exception as e:
-                failed[rank] = _summary(e)
-        return failed
-    return _run_processes(min(n, len(todo)), logs, stage, step, tasks, todo, say)
-
-
-def _run_processes(
-    n: int, logs: Path, stage: str, step: Step, tasks: int, todo: list[int], say: Log
-) -> dict[int, str]:
-    """The tasks in processes of their own, `n` at once. A task that fails or is killed is noted and the
-    others go on; a Ctrl-C (or any error here) stops every task's process before it is raised."""
-    ctx = fork_server_context(__name__, type(step).__module__)  # imports done once, in the server
-    pending = list(reversed(todo))
-    running: dict[int, tuple[multiprocessing.process.BaseProcess, multiprocessing.connection.Connection]] = {}
-    failed: dict[int, str] = {}
-    done, shown = tasks - len(todo), time.monotonic()
-    try:
-        while pending or running:
-            while pending and len(running) < n:
-                rank = pending.pop()
-                ours, theirs = ctx.Pipe()
-                task = ctx.Process(target=_task_process, args=(step, tasks, logs, rank, theirs), daemon=True)
-                task.start()
-                theirs.close()
-                running[rank] = (task, ours)
-            ended = set(multiprocessing.connection.wait([proc.sentinel for proc, _ in running.values()]))
-            for rank in [r for r, (proc, _) in running.items() if proc.sentinel in ended]:
-                proc, pipe = running.pop(rank)
-                proc.join()
-                if proc.exitcode != 0 or not (logs / "completions" / f"{rank:05d}").is_file():
-                    failed[rank] = _ended(proc, pipe)
-                    say(f"stage {stage}: task {rank} did not complete ({failed[rank]}), the others go on")
-                else:
-                    done += 1
-                pipe.close()
-                if time.monotonic() - shown >= PROGRESS_S:
-                    say(f"stage {stage}: {done}/{tasks} tasks done")
-                    shown = time.monotonic()
-    finally:
-        for proc, _ in running.values():
-            proc.kill()
-        for proc, pipe in running.values():
-            proc.join()
-            pipe.close()
-    return failed
+    runner: _Runner = _Processes(step, tasks, logs) if n else _InProcess(step, tasks, logs)
+    return _schedule(
+        runner, max(1, min(n, len(todo))), logs=logs, stage=stage, tasks=tasks, todo=todo, say=say
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,14 +395,14 @@ def _run_processes(
 
 
 class _SlurmExecutor(SlurmPipelineExecutor):
-    """datatrove's Slurm executor (0.10.1) without the --partition it always renders (None: the
-    cluster's default partition) and without its stats-merging job, which would wait forever in the
-    queue for an array that failed (its dependency is afterok)."""
+    """datatrove's Slurm executor, through two of its public methods: without the --partition it
+    always renders (None: the cluster's default partition), and without its stats-merging job,
+    which would wait forever in the queue for an array that failed (its dependency is afterok)."""
 
     def get_sbatch_args(self, max_array: int = 1) -> dict[str, Any]:
         args: dict[str, Any] = super().get_sbatch_args(max_array)
         if self.partition is None:
-            del args["partition"]
+            args.pop("partition", None)
         return args
 
     def launch_merge_stats(self) -> None:
@@ -413,18 +515,26 @@ def _wait_for_jobs(ids: list[str], logs: Path, stage: str, tasks: int, say: Log)
 # ray
 
 
-def _run_ray(data: DataConfig, logs: Path, stage: str, step: Step, tasks: int, say: Log) -> dict[int, str]:
-    import ray  # a second or two to import: only where it runs
+RAY = "a prepare's tasks on Ray (data.executor 'ray')"
 
+
+def _run_ray(data: DataConfig, logs: Path, stage: str, step: Step, tasks: int, say: Log) -> dict[int, str]:
+    ray = require("ray", RAY, "ray")  # a second or two to import: only where it runs
     todo = _incomplete(logs, tasks)
     if not todo:
         return {}
-    # Never the network beyond the cluster: no usage stats, here or in the processes this starts.
+    with _ray_session(ray, data, stage):
+        _progress(say, stage, tasks, tasks - len(todo), len(todo), "on Ray")
+        runner = _RayTasks(ray, data, step, tasks, logs)
+        n = data.workers or len(todo)
+        return _schedule(runner, n, logs=logs, stage=stage, tasks=tasks, todo=todo, say=say)
+
+
+@contextlib.contextmanager
+def _ray_session(ray: Any, data: DataConfig, stage: str) -> Iterator[None]:
+    """Connected to the Ray cluster at data.ray.address (or to an instance started here), with no
+    usage stats sent, here or in the processes this starts; what this started stops at the end."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    runtime_env = {
-        "py_executable": sys.executable,
-        "env_vars": {"PYTHONPATH": os.pathsep.join(_import_paths(step)), "RAY_USAGE_STATS_ENABLED": "0"},
-    }
     started = not ray.is_initialized()
     if started:
         address = data.ray.address or "local"
@@ -441,55 +551,48 @@ def _run_ray(data: DataConfig, logs: Path, stage: str, step: Step, tasks: int, s
                 f"data prepare stage {stage!r}: cannot reach the Ray cluster at data.ray.address {address!r} "
                 f"({_summary(e)}): start it (ray start --head on its head node) or correct data.ray.address"
             ) from None
-    _progress(say, stage, tasks, tasks - len(todo), len(todo), "on Ray")
     try:
-        task = ray.remote(_ray_task).options(
-            num_cpus=data.ray.cpus_per_task, max_retries=0, runtime_env=runtime_env
-        )
-        return _ray_wait(ray, task, data.workers or len(todo), logs, stage, step, tasks, todo, say)
+        yield
     finally:
         if started:
             ray.shutdown()
 
 
-def _ray_task(step: Step, tasks: int, logs: str, rank: int) -> None:
-    """One task in a Ray worker process: datatrove's own per-rank entry (log, stats, completion marker).
-    Not datatrove's RayPipelineExecutor: it runs each rank in a process pool inside an actor, and that
-    pool waits forever for a rank whose process was killed (kill -9, the out-of-memory killer)."""
-    _run_task(step, tasks, Path(logs), rank)
+class _RayTasks:
+    """A Ray task per task, none retried (a failed one is named with what it raised, a killed one as
+    killed), in workers that start with this interpreter and this process's import paths."""
 
+    def __init__(self, ray: Any, data: DataConfig, step: Step, tasks: int, logs: Path) -> None:
+        self.ray, self.step, self.tasks, self.logs = ray, step, tasks, logs
+        runtime_env = {
+            "py_executable": sys.executable,
+            "env_vars": {"PYTHONPATH": os.pathsep.join(_import_paths(step)), "RAY_USAGE_STATS_ENABLED": "0"},
+        }
+        self.task = ray.remote(_run_rank).options(
+            num_cpus=data.ray.cpus_per_task, max_retries=0, runtime_env=runtime_env
+        )
+        self.running: dict[Any, int] = {}
 
-def _ray_wait(
-    ray: Any, task: Any, n: int, logs: Path, stage: str, step: Step, tasks: int, todo: list[int], say: Log
-) -> dict[int, str]:
-    """The tasks on Ray, `n` at once (data.workers; None: all), none retried: a failed one is named with
-    what it raised, a killed one as killed."""
-    pending = list(reversed(todo))
-    running: dict[Any, int] = {}
-    failed: dict[int, str] = {}
-    done, shown = tasks - len(todo), time.monotonic()
-    try:
-        while pending or running:
-            while pending and len(running) < n:
-                rank = pending.pop()
-                running[task.remote(step, tasks, str(logs), rank)] = rank
-            ready, _ = ray.wait(list(running), num_returns=1)
-            for ref in ready:
-                rank = running.pop(ref)
-                try:
-                    ray.get(ref)
-                    done += 1
-                except ray.exceptions.RayTaskError as e:
-                    failed[rank] = _summary(e.cause) if e.cause is not None else "it raised"
-                except ray.exceptions.RayError as e:  # its worker died: a signal, the OOM killer, a lost node
-                    failed[rank] = f"its Ray worker died ({type(e).__name__}), out of memory?"
-                if rank in failed:
-                    say(f"stage {stage}: task {rank} did not complete ({failed[rank]}), the others go on")
-            if time.monotonic() - shown >= PROGRESS_S:
-                say(f"stage {stage}: {done}/{tasks} tasks done")
-                shown = time.monotonic()
-    finally:
-        for ref in running:
+    def start(self, rank: int) -> None:
+        self.running[self.task.remote(self.step, self.tasks, self.logs, rank)] = rank
+
+    def ended(self) -> list[tuple[int, str | None]]:
+        ray = self.ray
+        ready, _ = ray.wait(list(self.running), num_returns=1)
+        outcomes: list[tuple[int, str | None]] = []
+        for ref in ready:
+            rank = self.running.pop(ref)
+            try:
+                ray.get(ref)
+                outcomes.append((rank, None))
+            except ray.exceptions.RayTaskError as e:
+                outcomes.append((rank, _summary(e.cause) if e.cause is not None else "it raised"))
+            except ray.exceptions.RayError as e:  # its worker died: a signal, the OOM killer, a lost node
+                outcomes.append((rank, f"its Ray worker died ({type(e).__name__}), out of memory?"))
+        return outcomes
+
+    def stop(self) -> None:
+        for ref in self.running:
             with contextlib.suppress(Exception):
-                ray.cancel(ref, force=True)
-    return failed
+                self.ray.cancel(ref, force=True)
+        self.running.clear()

@@ -419,6 +419,8 @@ def prepare(
         raise DataError(f"data.dataset_dir {out}: cannot be resolved ({e}); point it at a directory") from e
     if cfg.clean.near_dedup:
         require("datasketch", NEAR_DEDUP, "near-dedup")  # before any pass over the corpus
+    if cfg.tasks is not None and cfg.executor == "ray":
+        require("ray", "a prepare's tasks on Ray (data.executor 'ray')", "ray")
     had = (out / MANIFEST).is_file()
     swapped: list[bool] = []
     with stopping_on_signals():
