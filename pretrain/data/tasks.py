@@ -26,15 +26,11 @@ is swapped in, it goes.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import json
 import os
-import pickle
-import shutil
 import signal
-import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -50,27 +46,30 @@ from pretrain.data.dataset import SPLITS
 from pretrain.data.encode import Setup, encode_task, init_worker
 from pretrain.data.fingerprint import input_files, output_config
 from pretrain.data.shards import ShardInfo, ShardWriter, dtype_for_vocab
-from pretrain.data.sources import InputFile
 from pretrain.data.tokenizer import Tokenizer
+from pretrain.data.workdir import (
+    Unit,
+    building,
+    load_npy,
+    load_setup,
+    load_shards,
+    load_stats,
+    load_units,
+    open_work,
+    raw_array,
+    save_npy,
+    save_setup,
+    save_shards,
+    save_stats,
+    save_units,
+    task_dir,
+    work_dir,
+)
 from pretrain.errors import DataError
-from pretrain.files import short_name
 
-WORK_VERSION = 1
+WORK_VERSION = 2  # 2: hand-offs as checked JSON and .npy, no pickle
 FAULT_KILL = "PRETRAIN_FAULT_KILL_TASK"  # "STAGE:RANK": that task SIGKILLs itself, the first time only
 _WRITE_TOKENS = 1 << 22  # tokens a write task copies at a time: its memory stays flat
-
-
-@dataclass(frozen=True)
-class Unit:
-    """A piece of the corpus one task reads: its chunks, or a compressed file it decompresses."""
-
-    chunks: tuple[Chunk, ...] = ()
-    file: InputFile | None = None
-
-
-def work_dir(out: Path) -> Path:
-    real = Path(os.path.realpath(out))
-    return real.with_name(f".{short_name(real.name)}.tasks")
 
 
 def work_key(cfg: DataConfig, inputs: dict[str, Any], tok: Tokenizer) -> str:
@@ -84,59 +83,6 @@ def work_key(cfg: DataConfig, inputs: dict[str, Any], tok: Tokenizer) -> str:
         "tasks": cfg.tasks,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
-
-
-def open_work(work: Path, key: str) -> None:
-    """`work` holds the tasks of `key` (kept from an earlier try), or is made afresh."""
-    marker = work / "key"
-    if marker.is_file() and marker.read_text() == key:
-        return
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    _atomic_bytes(marker, key.encode())
-
-
-# ---------------------------------------------------------------------------------------------
-# Files of the work directory: each whole or absent
-
-
-def _atomic_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _save_npy(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}.npy")
-    np.save(tmp, array)
-    os.replace(tmp, path)
-
-
-def _task_dir(work: Path, stage: str, rank: int) -> Path:
-    return work / stage / f"t{rank:05d}"
-
-
-@contextlib.contextmanager
-def _building(done: Path) -> Iterator[Path | None]:
-    """A task's directory built beside `done` and renamed to it when whole; None: done already."""
-    if done.is_dir():
-        yield None
-        return
-    tmp = done.with_name(f"{done.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        try:
-            os.rename(tmp, done)
-        except OSError:
-            if not done.is_dir():
-                raise  # else another try of the same task (a requeued job) won: the same bytes
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _fault(job: Job, stage: str, rank: int) -> None:
@@ -156,7 +102,7 @@ def _fault(job: Job, stage: str, rank: int) -> None:
 
 def plan(cfg: DataConfig, work: Path, total_bytes: int) -> None:
     """Deal the corpus out to cfg.tasks runs of about equal input bytes, in corpus order: one list
-    of units per task (`plan/tNNNNN.pkl`), written as the corpus is walked."""
+    of units per task (`plan/tNNNNN.json`), written as the corpus is walked."""
     assert cfg.tasks is not None
     tasks, done = cfg.tasks, work / "plan" / "done"
     if done.is_file():
@@ -170,7 +116,7 @@ def plan(cfg: DataConfig, work: Path, total_bytes: int) -> None:
     def flush(upto: int) -> None:
         nonlocal current, units
         while current < upto:
-            _atomic_bytes(work / "plan" / f"t{current:05d}.pkl", pickle.dumps(units))
+            save_units(work / "plan" / f"t{current:05d}.json", units)
             current, units = current + 1, []
 
     for unit, size in _units(cfg):
@@ -231,6 +177,7 @@ class Job:
     hashranges: tuple[tuple[int, int], ...]  # the MinHash bands, as one host's MinHashLSH cuts them
     parts: int  # each band's buckets in this many parts, by their first value
     shard_tokens: int
+    dtype: str  # the tokens'
     fault: str | None = None  # PRETRAIN_FAULT_KILL_TASK
 
     @property
@@ -238,26 +185,23 @@ class Job:
         return Path(self.work)
 
     def setup(self) -> Setup:
-        setup: Setup = pickle.loads((self.root / "setup.pkl").read_bytes())
-        return setup
+        return load_setup(self.root)
 
     def offsets(self) -> np.ndarray:
         """Global index of each run's first document, and the total at the end: (tasks + 1,)."""
-        return np.load(self.root / "offsets.npy")
+        return load_npy(self.root / "offsets.npy")
 
     def docs(self, rank: int, name: str) -> np.ndarray:
-        return np.load(_task_dir(self.root, "encode", rank) / f"{name}.npy", mmap_mode="r")
+        return load_npy(task_dir(self.root, "encode", rank) / f"{name}.npy", mmap=True)
 
     def signatures(self, rank: int) -> np.ndarray:
         n = len(self.docs(rank, "lengths"))
-        path = _task_dir(self.root, "encode", rank) / "sig.bin"
-        if n == 0:
-            return np.empty((0, self.perms), dtype=np.uint32)
-        return np.memmap(path, dtype=np.uint32, mode="r", shape=(n, self.perms))
+        path = task_dir(self.root, "encode", rank) / "sig.bin"
+        return raw_array(path, np.dtype(np.uint32), (n, self.perms))
 
     def removed(self, name: str) -> np.ndarray:
         path = self.root / f"{name}.npy"
-        return np.load(path) if path.is_file() else np.empty(0, dtype=np.int64)
+        return load_npy(path) if path.is_file() else np.empty(0, dtype=np.int64)
 
 
 def make_job(cfg: DataConfig, work: Path, setup: Setup) -> Job:
@@ -270,7 +214,7 @@ def make_job(cfg: DataConfig, work: Path, setup: Setup) -> Job:
         hashranges = tuple((int(a), int(b)) for a, b in lsh.hashranges)
     assert cfg.tasks is not None
     bands = max(len(hashranges), 1)
-    _atomic_bytes(work / "setup.pkl", pickle.dumps(setup))
+    save_setup(work, setup)
     return Job(
         work=str(work),
         tasks=cfg.tasks,
@@ -281,6 +225,7 @@ def make_job(cfg: DataConfig, work: Path, setup: Setup) -> Job:
         hashranges=hashranges,
         parts=-(-cfg.tasks // bands),
         shard_tokens=cfg.shard_tokens,
+        dtype=setup.dtype,
         fault=os.environ.get(FAULT_KILL),
     )
 
@@ -294,7 +239,7 @@ class _Task:
     stage: ClassVar[str] = ""
 
     def __call__(self, rank: int, world_size: int) -> None:
-        with _building(_task_dir(self.job.root, self.stage, rank)) as tmp:
+        with building(task_dir(self.job.root, self.stage, rank)) as tmp:
             if tmp is not None:
                 self.build(tmp, rank, world_size)
 
@@ -315,7 +260,7 @@ class Encode(_Task):
 
     def build(self, tmp: Path, rank: int, world_size: int) -> None:
         job = self.job
-        units: list[Unit] = pickle.loads((job.root / "plan" / f"t{rank:05d}.pkl").read_bytes())
+        units = load_units(job.root / "plan" / f"t{rank:05d}.json")
         init_worker(job.setup())
         table: dict[str, list[np.ndarray]] = {k: [] for k in _TABLE}
         stats, cpu = CleanStats(), 0.0
@@ -338,8 +283,8 @@ class Encode(_Task):
                     table[k].append(getattr(r, k))
         _fault(job, "encode", rank)
         for k, parts in table.items():
-            np.save(tmp / f"{k}.npy", np.concatenate(parts) if parts else _empty(k))
-        (tmp / "stats.pkl").write_bytes(pickle.dumps((stats, cpu)))
+            save_npy(tmp / f"{k}.npy", np.concatenate(parts) if parts else _empty(k))
+        save_stats(tmp / "stats.json", stats, cpu)
 
 
 def _empty(name: str) -> np.ndarray:
@@ -350,7 +295,7 @@ def _empty(name: str) -> np.ndarray:
 def write_offsets(job: Job) -> np.ndarray:
     counts = [len(job.docs(t, "lengths")) for t in range(job.tasks)]
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    _save_npy(job.root / "offsets.npy", offsets)
+    save_npy(job.root / "offsets.npy", offsets)
     return offsets
 
 
@@ -376,14 +321,14 @@ class Exact(_Task):
         h, i = h[order], i[order]
         again = np.zeros(len(h), dtype=bool)
         again[1:] = h[1:] == h[:-1]
-        np.save(tmp / "removed.npy", np.sort(i[again]))
+        save_npy(tmp / "removed.npy", np.sort(i[again]))
 
 
 def gather_removed(job: Job, stage: str, parts: int, name: str) -> np.ndarray:
     """The removed documents of every part of a stage, sorted, saved as `name`.npy in the work."""
-    found = [np.load(_task_dir(job.root, stage, p) / "removed.npy") for p in range(parts)]
+    found = [load_npy(task_dir(job.root, stage, p) / "removed.npy") for p in range(parts)]
     removed = np.sort(np.concatenate(found)) if found else np.empty(0, dtype=np.int64)
-    _save_npy(job.root / f"{name}.npy", removed.astype(np.int64))
+    save_npy(job.root / f"{name}.npy", removed.astype(np.int64))
     return removed
 
 
@@ -411,8 +356,8 @@ class Bands(_Task):
             m, k = self.band_part(index)
             members.append(m)
             sizes.append(k)
-        np.save(tmp / "members.npy", np.concatenate(members) if members else np.empty(0, np.int64))
-        np.save(tmp / "sizes.npy", np.concatenate(sizes) if sizes else np.empty(0, np.int64))
+        save_npy(tmp / "members.npy", np.concatenate(members) if members else np.empty(0, np.int64))
+        save_npy(tmp / "sizes.npy", np.concatenate(sizes) if sizes else np.empty(0, np.int64))
 
     def band_part(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """The buckets of two or more of one band's part: band index // parts, values whose first
@@ -463,9 +408,9 @@ class Clusters(_Task):
         job = self.job
         members, sizes = [], []
         for j in range(job.tasks):
-            members.append(np.load(_task_dir(job.root, "bands", j) / "members.npy"))
-            sizes.append(np.load(_task_dir(job.root, "bands", j) / "sizes.npy"))
-        np.save(tmp / "removed.npy", near_removed(np.concatenate(members), np.concatenate(sizes)))
+            members.append(load_npy(task_dir(job.root, "bands", j) / "members.npy"))
+            sizes.append(load_npy(task_dir(job.root, "bands", j) / "sizes.npy"))
+        save_npy(tmp / "removed.npy", near_removed(np.concatenate(members), np.concatenate(sizes)))
 
 
 def near_removed(members: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -511,17 +456,17 @@ class Write(_Task):
         if self.moved is not None and lo <= self.moved[0] < hi:
             is_val[self.moved[0] - lo] = self.moved[1] == "val"
         lengths = np.asarray(job.docs(rank, "lengths"))
-        dtype = np.dtype(job.setup().dtype)
+        dtype = np.dtype(job.dtype)
         _fault(job, "write", rank)
         shards = _write_run(tmp, rank, job, keep, is_val, lengths, dtype)
-        (tmp / "shards.pkl").write_bytes(pickle.dumps(shards))
+        save_shards(tmp / "shards.json", shards)
 
 
 def _write_run(
     tmp: Path, rank: int, job: Job, keep: np.ndarray, is_val: np.ndarray, lengths: np.ndarray, dtype: np.dtype
 ) -> dict[str, list[ShardInfo]]:
-    path = _task_dir(job.root, "encode", rank) / "tokens.bin"
-    tokens = np.memmap(path, dtype=dtype, mode="r") if lengths.sum() else np.empty(0, dtype)
+    path = task_dir(job.root, "encode", rank) / "tokens.bin"
+    tokens = raw_array(path, dtype, (int(lengths.sum()),))
     ends = np.cumsum(lengths)
     starts = ends - lengths
     shards = {}
@@ -588,7 +533,7 @@ def run_of(job: Job, doc: int) -> tuple[int, int]:
 
 def name_of(job: Job, doc: int) -> str:
     t, i = run_of(job, doc)
-    with open(_task_dir(job.root, "encode", t) / "names.jsonl") as f:
+    with open(task_dir(job.root, "encode", t) / "names.jsonl") as f:
         name: str = json.loads(next(itertools.islice(f, i, None)))
     return name
 
@@ -596,7 +541,7 @@ def name_of(job: Job, doc: int) -> str:
 def text_of(job: Job, doc: int, clean: Any) -> str:
     """The cleaned text of one document, read again from its run's units."""
     t, i = run_of(job, doc)
-    units: list[Unit] = pickle.loads((job.root / "plan" / f"t{t:05d}.pkl").read_bytes())
+    units = load_units(job.root / "plan" / f"t{t:05d}.json")
     cleaner, seen = Cleaner(clean), 0
     for chunks in _chunk_lists(job.chunking, units):
         for c in chunks:
@@ -610,7 +555,7 @@ def text_of(job: Job, doc: int, clean: Any) -> str:
 def run_stats(job: Job) -> tuple[CleanStats, float]:
     stats, cpu = CleanStats(), 0.0
     for t in range(job.tasks):
-        s, c = pickle.loads((_task_dir(job.root, "encode", t) / "stats.pkl").read_bytes())
+        s, c = load_stats(task_dir(job.root, "encode", t) / "stats.json")
         stats.add(s)
         cpu += c
     return stats, cpu
@@ -633,8 +578,8 @@ def written_shards(job: Job, staging: Path) -> dict[str, list[ShardInfo]]:
     """Every run's shards, in run order, moved into the dataset's staging directory."""
     shards: dict[str, list[ShardInfo]] = {s: [] for s in SPLITS}
     for t in range(job.tasks):
-        d = _task_dir(job.root, "write", t)
-        for split, infos in pickle.loads((d / "shards.pkl").read_bytes()).items():
+        d = task_dir(job.root, "write", t)
+        for split, infos in load_shards(d / "shards.json").items():
             for info in infos:
                 target = staging / info.path.name
                 os.replace(d / info.path.name, target)
