@@ -208,3 +208,22 @@ def test_the_executor_fields_are_checked_together():
         validate({"data": {"executor": "slurm", "slurm": {"time": "soon"}}})
     text = str(e.value)
     assert "set data.tasks" in text and "data.slurm.time 'soon'" in text
+
+
+def test_a_damaged_hand_off_is_named_in_one_error(corpus, tmp_path, monkeypatch):
+    """What a stage leaves for the next is checked on read, never unpickled: an encode task's
+    statistics changed after a try that stopped in the write stage are named in one error, with the fix."""
+    out = tmp_path / "ds"
+    cfg = _cfg(corpus[0], out, tasks=2, executor="local", workers=2)
+    monkeypatch.setenv(FAULT_KILL, "write:1")
+    with pytest.raises(DataError):
+        prepare(cfg)
+    monkeypatch.delenv(FAULT_KILL)
+    stats = work_dir(out) / "encode" / "t00000" / "stats.json"
+    stats.write_text(stats.read_text().replace('"documents_in": ', '"documents_in": 1'))
+    with pytest.raises(DataError) as e:
+        prepare(cfg)
+    assert str(e.value).startswith(f"{stats}: its body does not match its sha256;")
+    assert "run the prepare again" in str(e.value)
+    assert not out.exists()
+    assert not list(work_dir(out).rglob("*.pkl"))

@@ -4,6 +4,9 @@ Slurm and Ray: tests/test_multinode.py."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -61,6 +64,44 @@ def test_a_task_killed_by_sigkill_is_named_and_rerun_alone(out, tmp_path):
     run_stage(local(2), logs, "encode", ToyStep(str(out), kill_rank=2), TASKS)
     assert [runs(out, r) for r in range(TASKS)] == [1, 1, 2, 1, 1]
     assert outputs(out) == [str(r) for r in range(TASKS)]
+
+
+def _children() -> set[int]:
+    """The live processes whose parent is this one (Linux's /proc); its zombies reaped."""
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) != os.getpid():
+            continue
+        if fields[0] == "Z":
+            os.waitpid(int(stat.parent.name), 0)
+        else:
+            pids.add(int(stat.parent.name))
+    return pids
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a subreaper and /proc are Linux's")
+def test_a_task_killed_by_sigkill_leaves_no_process_behind(out, tmp_path):
+    """datatrove's executor starts a manager process in each task: it dies with its task. This process
+    is made a subreaper while the stage runs, so an orphan would become its child, and be seen."""
+    run_stage(local(2), tmp_path / "warm", "encode", ToyStep(str(out)), TASKS)  # the fork server started
+    libc = ctypes.CDLL(None, use_errno=True)
+    before = _children()
+    assert libc.prctl(36, 1) == 0  # PR_SET_CHILD_SUBREAPER
+    try:
+        with pytest.raises(DataError):
+            run_stage(local(2), tmp_path / "logs", "encode", ToyStep(str(out), kill_rank=2), TASKS)
+        time.sleep(0.5)
+        left = _children() - before
+    finally:
+        libc.prctl(36, 0)
+    for pid in left:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert not left
 
 
 @pytest.mark.parametrize("workers", [2, 0])
