@@ -368,9 +368,29 @@ def build_bytes(cfg: RunConfig, layout: Layout, share: StageShare) -> float:
     return 4.0 * share.params
 
 
-def activation_bytes(cfg: RunConfig, layout: Layout | None = None, share: StageShare | None = None) -> float:
+def document_mask_bytes(cfg: RunConfig, *, cpu: bool) -> float:
+    """One micro batch's document mask (data.document_mask), built once per micro batch (a stage's first
+    block) and kept for backward by every layer, on the path the model takes (model/gpt.py's
+    `document_path`): on CUDA ranks without attention dropout FlexAttention's block mask, int32 block
+    counts (b, 1, n) and indices (b, 1, n, n) for the keys' and the queries' side, partial and full
+    blocks each (n = ceil(s / 128)), and the (b, s) int64 document starts its rule reads; otherwise the
+    dense additive (b, 1, s, s) mask in the activations' dtype, with no T x T copy per layer (it is
+    passed in the dtype SDPA computes in)."""
+    s, b = cfg.model.block_size, cfg.batch.micro_batch_size
+    if not cfg.data.document_mask:
+        return 0.0
+    if not cpu and cfg.model.dropout == 0:
+        n = -(-s // 128)
+        return float(4 * 4 * b * n * (n + 1) + 8 * b * s)
+    return float(s * s * b * (2 if cfg.precision.name in ("bf16", "fp16") else 4))
+
+
+def activation_bytes(
+    cfg: RunConfig, layout: Layout | None = None, share: StageShare | None = None, *, cpu: bool = False
+) -> float:
     """Activations kept for backward on one rank: one micro batch's through the whole model, or
-    (`layout`, `share`) those of a pipeline stage's micro batches in flight on one of its tensor ranks."""
+    (`layout`, `share`) those of a pipeline stage's micro batches in flight on one of its tensor ranks
+    (`cpu`: the ranks are CPUs, whose document mask is the dense one)."""
     m = cfg.model
     layout = layout or Layout()
     s, b, h, tp = m.block_size, cfg.batch.micro_batch_size, m.n_embd, layout.tensor
@@ -398,10 +418,7 @@ def activation_bytes(cfg: RunConfig, layout: Layout | None = None, share: StageS
     recompute = min(every, blocks) * per_layer if every else 0
     logits = s * b * vocab * (a + 4) if last else 0  # the logits and cross-entropy's fp32 softmax
     embedded = s * b * h * a if first else 0  # the embedding output
-    # data.document_mask: the block-causal mask (b, 1, s, s) in the activations' dtype, built once per
-    # micro batch (a stage's first block) and kept for backward by every layer's SDPA, with no T x T
-    # copy per layer (it is passed in the dtype SDPA computes in); the flash kernels take no mask.
-    documents = s * s * b * a if cfg.data.document_mask and blocks else 0
+    documents = document_mask_bytes(cfg, cpu=cpu) if blocks else 0
     count = 1 if share is None else in_flight(layout, share, batch=cfg.batch)
     return float(count * (kept + logits + embedded + documents) + recompute)
 
@@ -437,8 +454,10 @@ def rank_memory(
     stage: int,
     offload_optimizer: bool,
     offload_param: bool,
+    cpu: bool = False,
 ) -> RankMemory:
-    """What a rank of `share` holds at this stage and offload, ZeRO over the layout's data ranks."""
+    """What a rank of `share` holds at this stage and offload, ZeRO over the layout's data ranks
+    (`cpu`: the ranks are CPUs)."""
     n, dp, off = share.params, layout.data, offload_optimizer
     params, grads, optim, host = rank_states(
         cfg, n, stage=stage, world=dp, offload_optimizer=off, offload_param=offload_param
@@ -449,7 +468,7 @@ def rank_memory(
         grads=grads,
         optim=optim,
         host=host,
-        act=activation_bytes(cfg, layout, share),
+        act=activation_bytes(cfg, layout, share, cpu=cpu),
         working=working_bytes(cfg, n, stage=stage, world=dp, offload_optimizer=off),
         after=after_backward_bytes(cfg, n, stage=stage, offload_optimizer=off),
         build=build_bytes(cfg, layout, share),

@@ -130,7 +130,7 @@ def plan_stages(
     out = []
     for stage, off, par in layout_variants(layout, optimizer=cfg.optimizer):
         ranks = [
-            rank_memory(cfg, layout, sh, stage=stage, offload_optimizer=off, offload_param=par)
+            rank_memory(cfg, layout, sh, stage=stage, offload_optimizer=off, offload_param=par, cpu=cpu_ranks)
             for sh in shares
         ]
         r = max(ranks, key=lambda x: x.total)

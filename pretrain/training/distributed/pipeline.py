@@ -21,8 +21,10 @@ ids, so the first stage derives each token's position in its document from them 
 travel as (hidden states, positions), the positions an integer tensor (B, T) that DeepSpeed's engine
 sends between stages beside the hidden states and sends no gradient for. Each stage builds the block-
 causal mask from the positions once, in its first block, and passes it to its next blocks as a third
-tensor, which `GPTStage.forward` drops before the activations leave the stage: a (B, 1, T, T) mask
-would cost more than the hidden states to send whenever T > n_embd.
+item, which `GPTStage.forward` drops before the activations leave the stage: a dense (B, 1, T, T) mask
+would cost more than the hidden states to send whenever T > n_embd, and FlexAttention's BlockMask (on
+CUDA, model.py's `document_path`) is no tensor DeepSpeed's engine can send; within a stage it travels
+as a Python object beside the tensors, which DeepSpeed's layers and torch's checkpoint pass as given.
 
 Tensor parallelism within a pipeline: DeepSpeed's AutoTP training path (`tensor_parallel` in the
 engine config) builds a 2-D data x tensor mesh of its own, which would override the pipeline
@@ -50,10 +52,11 @@ from pretrain.training.distributed.ds_internals import set_tensor_group, stage_g
 from pretrain.training.model import init_from
 from pretrain.training.model.gpt import (
     Block,
+    DocumentPath,
     HasDerivedBuffers,
     cross_entropy,
-    document_mask,
     document_positions,
+    documents_of,
     norm,
     rope_cache,
 )
@@ -62,8 +65,8 @@ from pretrain.training.model.init_from import Source
 TIED = "wte"  # the key of the tied embedding / head in the PipelineModule
 
 # What flows between the layers: the hidden states (B, T, C) alone, or with packed documents the hidden
-# states and each token's position in its document (B, T), and within a stage the mask (B, 1, T, T).
-Activations = Tensor | tuple[Tensor, ...]
+# states and each token's position in its document (B, T), and within a stage the mask (model.Documents).
+Activations = Tensor | tuple[Any, ...]
 
 
 def hidden(inputs: Activations) -> Tensor:
@@ -113,9 +116,10 @@ class PipelineBlock(Block, HasDerivedBuffers):
     rope_cos: Tensor
     rope_sin: Tensor
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, document_attention: DocumentPath = "auto") -> None:
         super().__init__(cfg)
         self.cfg = cfg
+        self.document_attention = document_attention  # as GPT's
         self.rope = cfg.position == "rope"
         self.reset_buffers()
 
@@ -128,7 +132,11 @@ class PipelineBlock(Block, HasDerivedBuffers):
     def forward(self, inputs: Activations) -> Activations:  # type: ignore[override]
         if isinstance(inputs, tuple):  # packed documents: (x, positions), and the mask after a stage's first
             x, pos = inputs[:2]
-            mask = inputs[2] if len(inputs) == 3 else document_mask(pos, x.dtype)  # (B, 1, T, T)
+            if len(inputs) == 3:
+                mask = inputs[2]
+            else:
+                dropout = self.training and self.cfg.dropout > 0
+                mask = documents_of(pos, x.dtype, self.document_attention, attention_dropout=dropout)
             rope = (self.rope_cos[pos][:, None], self.rope_sin[pos][:, None]) if self.rope else None
             return (super().forward(x, rope, documents=mask), pos, mask)
         T = inputs.size(1)

@@ -24,19 +24,24 @@ targets attends within each document only (block-causal: a token sees the earlie
 document, the end-of-text token belonging to the document it ends) and positions restart at 0 after
 each end-of-text token, for learned positions and RoPE alike, as Megatron's --reset-attention-mask
 --reset-position-ids. Both are derived from the token ids (`document_positions`, `document_mask`), so
-the loader passes the same batches. Sampling (no targets) is one sequence, as without it.
+the loader passes the same batches. Sampling (no targets) is one sequence, as without it. The mask
+takes one of two forms (`document_path`), built once per forward and shared by every layer: on CUDA
+FlexAttention's block mask (`document_block_mask`: block counts and indices, O(B (T/128)^2) ints,
+its fused kernels skipping the blocks no query sees); elsewhere, and with attention dropout in
+training, which FlexAttention does not apply, the dense additive (B, 1, T, T) mask to SDPA.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 from torch.nn import functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from pretrain.config.tree import ModelConfig, analytic_flops_per_token, required_vocab_size
@@ -82,6 +87,63 @@ def document_mask(pos: Tensor, dtype: torch.dtype) -> Tensor:
     allowed = (start <= t) & (t <= t[:, None])  # (B, T, T): key s in [start, t]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=pos.device).masked_fill_(~allowed, -math.inf)
     return mask[:, None]  # (B, 1, T, T): one mask for every head
+
+
+def document_block_mask(pos: Tensor) -> BlockMask:
+    """FlexAttention's block mask of document positions `pos` (B, T), the rule of `document_mask`: for
+    each (query block, key block) of 128 x 128 whether it is empty, full or partial, as int32 counts and
+    indices (B, 1, T/128[, T/128]); `same_document` decides a partial block's pairs inside the kernel.
+    One for every head (H = None), so a tensor rank applies it to its share of the heads."""
+    B, T = pos.shape
+    start = torch.arange(T, device=pos.device) - pos  # (B, T): the first token of each query's document
+
+    def same_document(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return (kv <= q) & (start[b, q] <= kv)
+
+    # On CUDA compiled, which evaluates the rule block by block; eagerly it is evaluated on all (B, T, T)
+    # pairs at once, a transient of about 8 bytes a pair, freed before the first layer.
+    build = fused(create_block_mask) if pos.is_cuda else create_block_mask
+    return build(same_document, B, None, T, T, device=pos.device)
+
+
+_FUSED: dict[str, Any] = {}
+
+
+def fused(fn: Any) -> Any:
+    """FlexAttention's `fn` (flex_attention, create_block_mask) under torch.compile, compiled once a
+    process: eagerly flex_attention computes the whole (T, T) score matrix and create_block_mask the
+    whole (B, T, T) rule; compiled they are fused kernels that skip what is empty. Inside the model's
+    own torch.compile (compile.enabled) `fn` itself: that graph fuses it, and no compile is nested."""
+    if torch.compiler.is_compiling():
+        return fn
+    if fn.__name__ not in _FUSED:  # made outside any compile, at the first forward on CUDA
+        _FUSED[fn.__name__] = torch.compile(fn)
+    return _FUSED[fn.__name__]
+
+
+DocumentPath = Literal["auto", "flex", "dense"]
+Documents = Tensor | BlockMask  # `document_mask`'s (B, 1, T, T), or `document_block_mask`'s
+
+
+def document_path(choice: DocumentPath, device: torch.device, *, attention_dropout: bool) -> str:
+    """How packed documents are attended: FlexAttention ("flex") on CUDA, the dense mask with SDPA
+    ("dense") elsewhere, and where attention dropout is on (training, model.dropout > 0): torch 2.13's
+    FlexAttention has no backward on the CPU and applies no dropout. `choice` other than "auto" is kept
+    (on the CPU FlexAttention runs forward only, eagerly: what the equality tests run)."""
+    if choice == "flex" and attention_dropout:
+        raise ValueError("FlexAttention applies no attention dropout: train with model.dropout=0 or dense")
+    if choice != "auto":
+        return choice
+    return "flex" if device.type == "cuda" and not attention_dropout else "dense"
+
+
+def documents_of(
+    pos: Tensor, dtype: torch.dtype, choice: DocumentPath, *, attention_dropout: bool
+) -> Documents:
+    """The mask of document positions `pos` (B, T) on `document_path`'s path, built once a forward."""
+    if document_path(choice, pos.device, attention_dropout=attention_dropout) == "flex":
+        return document_block_mask(pos)
+    return document_mask(pos, dtype)
 
 
 def norm(cfg: ModelConfig) -> nn.Module:
@@ -141,9 +203,10 @@ class CausalSelfAttention(nn.Module):
         rope: tuple[Tensor, Tensor] | None,
         cache: KVCache | None = None,
         layer: int = 0,
-        documents: Tensor | None = None,
+        documents: Documents | None = None,
     ) -> Tensor:
-        """Attention over x (B, T, C); `documents`: `document_mask`'s (B, 1, T, T), block-causal."""
+        """Attention over x (B, T, C); `documents`: block-causal, `document_mask`'s (B, 1, T, T) or
+        `document_block_mask`'s."""
         B, T, _ = x.size()  # batch, sequence length, n_embd
         qkv = self.c_attn(x)  # (B, T, (nh + 2 nkv) hs)
         # Under tensor parallelism c_attn holds only this rank's share of the heads (q, k and v
@@ -157,6 +220,21 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             # Positions enter only here: rotating q and k makes q·k depend on their distance.
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if isinstance(documents, BlockMask):
+            # FlexAttention: the fused kernel skips the blocks no query sees; no dropout (document_path)
+            flex = fused(flex_attention) if q.is_cuda else flex_attention
+            y = flex(q, k, v, block_mask=documents, enable_gqa=nkv != nh)  # (B, nh, T, hs)
+        else:
+            y = self.sdpa(q, k, v, cache, layer, documents)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, nh * self.hs)  # the heads' outputs side by side
+        return self.resid_dropout(self.c_proj(y))
+
+    def sdpa(
+        self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache | None, layer: int, documents: Tensor | None
+    ) -> Tensor:
+        """SDPA of q (B, nh, T, hs) over k and v (B, nkv, T, hs): causal, over the cache's keys too, or
+        within the documents of the dense mask."""
+        T, nh, nkv = q.size(2), q.size(1), k.size(1)
         mask = None if documents is None else documents.to(q.dtype)  # a no-op in the model's own dtype
         if cache is not None:
             past = cache.pos
@@ -164,8 +242,8 @@ class CausalSelfAttention(nn.Module):
             if past:  # the new tokens see the cached ones too: query t sees keys 0..past+t
                 k, v = all_k, all_v
                 if T > 1:
-                    mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-        y = F.scaled_dot_product_attention(
+                    mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        return F.scaled_dot_product_attention(
             q,
             k,
             v,
@@ -174,8 +252,6 @@ class CausalSelfAttention(nn.Module):
             is_causal=mask is None and k.size(2) == T,  # no cached keys, no documents: plain causal
             enable_gqa=nkv != nh,  # each k/v head serves n_head/n_kv_head queries
         )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, nh * self.hs)  # the heads' outputs side by side
-        return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
@@ -217,7 +293,7 @@ class Block(nn.Module):
         rope: tuple[Tensor, Tensor] | None = None,
         cache: KVCache | None = None,
         layer: int = 0,
-        documents: Tensor | None = None,
+        documents: Documents | None = None,
     ) -> Tensor:
         if self.parallel_residual:  # GPT-NeoX's: both branches read the block's input
             return x + self.attn(self.ln_1(x), rope, cache, layer, documents) + self.mlp(self.ln_2(x))
@@ -306,9 +382,11 @@ class GPT(HasDerivedBuffers):
     rope_cos: Tensor  # (block_size, hs/2), buffers present only with position="rope"
     rope_sin: Tensor
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, *, document_attention: DocumentPath = "auto") -> None:
+        """`document_attention`: how packed documents are attended (`document_path`); auto by the device."""
         super().__init__()
         self.cfg = cfg
+        self.document_attention = document_attention
         vocab_size = required_vocab_size(cfg)
         self.wte = nn.Embedding(vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.position == "learned" else None
@@ -369,7 +447,10 @@ class GPT(HasDerivedBuffers):
             rope = (self.rope_cos[pos][:, None], self.rope_sin[pos][:, None])  # (B, 1, T, hs/2) each
         else:
             rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])  # (T, hs/2) each
-        documents = None if eot is None else document_mask(pos, x.dtype)  # (B, 1, T, T), for every layer
+        documents = None
+        if eot is not None:  # one mask for every layer
+            dropout = self.training and self.cfg.dropout > 0
+            documents = documents_of(pos, x.dtype, self.document_attention, attention_dropout=dropout)
         x = self.drop(x)
         for i, block in enumerate(self.h):
             if self.cfg.activation_checkpointing and self.training:
