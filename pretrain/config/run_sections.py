@@ -1,5 +1,5 @@
-"""The sections that keep a run going rather than shape what it trains: checkpoints, logs and
-evaluation, the launch environment of every rank, and the hang watchdog."""
+"""The sections that keep a run going rather than shape what it trains: checkpoints, what a bad step
+does (stability), logs and evaluation, the launch environment of every rank, and the hang watchdog."""
 
 from __future__ import annotations
 
@@ -40,6 +40,17 @@ class CheckpointConfig(Section):
         "stop signal, schedule.max_hours) is synchronous, and waits for the one in flight. Off: every "
         "save holds the step until the checkpoint is committed.",
     )
+
+    def due(self, step: int, max_steps: int, stop_requested: bool = False) -> bool:
+        """Whether step `step` (1-based, just done) saves: every `interval`, at the end, and when a
+        signal asks the run to stop."""
+        return step % self.interval == 0 or step == max_steps or stop_requested
+
+
+class StabilityConfig(Section):
+    """What the loop does with a bad step: a non-finite loss anywhere, or a loss spike (spike_factor):
+    skip its update, and after max_bad_steps in a row roll back to the newest checkpoint."""
+
     max_bad_steps: int = Field(
         3,
         ge=1,
@@ -55,8 +66,8 @@ class CheckpointConfig(Section):
         allow_inf_nan=False,
         description="A step whose loss (the mean over the data-parallel ranks) exceeds this many times the "
         "median of the last spike_window accepted steps' losses is a spike: skipped as a non-finite loss "
-        "is (max_bad_steps in a row roll back). None: off, and the step never waits for the ranks' loss "
-        "before its last backward.",
+        "is (max_bad_steps in a row roll back). None: off. On, it is judged on the device and adds no host "
+        "sync to a step (docs/checkpoints.md).",
     )
     spike_window: int = Field(
         50,
@@ -65,11 +76,6 @@ class CheckpointConfig(Section):
         description="Accepted steps whose median loss a spike is measured against; the rule applies once "
         "this many are in (skipped steps and rolled-back ones never are).",
     )
-
-    def due(self, step: int, max_steps: int, stop_requested: bool = False) -> bool:
-        """Whether step `step` (1-based, just done) saves: every `interval`, at the end, and when a
-        signal asks the run to stop."""
-        return step % self.interval == 0 or step == max_steps or stop_requested
 
 
 class LoggingConfig(Section):

@@ -3,7 +3,7 @@ model, the data and the LR schedule, the rules across sections, and `validate`, 
 problem at once.
 
 The other sections are in engine_sections.py (optimizer, parallel, precision, ZeRO, compile),
-batch.py (the batch arithmetic) and run_sections.py (checkpoints, logs, launch, watchdog), on the
+batch.py (the batch arithmetic) and run_sections.py (checkpoints, stability, logs, launch, watchdog), on the
 base in section.py; files and overrides are read in loading.py. The DeepSpeed JSON is rendered from
 the tree (and read back into it) in ds_render.py and ds_read.py; presets and the layered build are
 in presets.py. World size is an input (`context`), never probed here.
@@ -12,6 +12,8 @@ in presets.py. World size is an input (`context`), never probed here.
 from __future__ import annotations
 
 import math
+import os
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -37,7 +39,13 @@ from pretrain.config.engine_sections import (
 )
 from pretrain.config.loading import GLOBAL_BATCH
 from pretrain.config.mix import BlendSource, mixed_everywhere
-from pretrain.config.run_sections import CheckpointConfig, LaunchConfig, LoggingConfig, WatchdogConfig
+from pretrain.config.run_sections import (
+    CheckpointConfig,
+    LaunchConfig,
+    LoggingConfig,
+    StabilityConfig,
+    WatchdogConfig,
+)
 from pretrain.config.section import Section
 from pretrain.errors import ConfigError, did_you_mean
 
@@ -546,6 +554,10 @@ class RunConfig(Section):
     )
     compile: CompileConfig = Field(default_factory=CompileConfig, description="torch.compile of the model.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving.")
+    stability: StabilityConfig = Field(
+        default_factory=StabilityConfig,
+        description="Bad steps: a non-finite loss or a loss spike skipped, several in a row rolled back.",
+    )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logs, eval and sampling.")
     launch: LaunchConfig = Field(
         default_factory=LaunchConfig,
@@ -559,6 +571,11 @@ class RunConfig(Section):
         default_factory=dict,
         description="DeepSpeed keys this tree does not model, passed through to the rendered JSON.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        return with_moved_fields(data)
 
     def broken_rules(self, context: dict[str, Any]) -> list[str]:
         problems = parallel_problems(self, context.get("world_size"))
@@ -610,6 +627,39 @@ class RunConfig(Section):
     def total_steps(self) -> int:
         """The steps the run trains and its LR schedule spans (max_steps, or max_tokens' steps)."""
         return self.schedule.total_steps(self.tokens_per_step)
+
+
+# Fields that moved to another section. The old place still reads (a YAML file, --set, the config a
+# run recorded at its start), said once a process.
+MOVED_FIELDS = {
+    ("checkpoint", name): ("stability", name)
+    for name in ("max_bad_steps", "max_rollbacks", "spike_factor", "spike_window")
+}
+_SAID: set[str] = set()
+
+
+def with_moved_fields(data: Any) -> Any:
+    """`data` with every field of MOVED_FIELDS at its old place moved to its new one; given at both
+    places with two values, an error naming both."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for (old_section, name), (new_section, new_name) in MOVED_FIELDS.items():
+        old, new = out.get(old_section), out.get(new_section, {})
+        if not (isinstance(old, dict) and name in old and isinstance(new, dict)):
+            continue
+        was, now = f"{old_section}.{name}", f"{new_section}.{new_name}"
+        old = dict(old)
+        value = old.pop(name)
+        if new_name in new and new[new_name] != value:
+            raise ValueError(
+                f"{was} is now {now}, and both are set ({value!r}, {new[new_name]!r}): set only {now}"
+            )
+        out[old_section], out[new_section] = old, {**new, new_name: value}
+        if was not in _SAID and os.environ.get("RANK", "0") == "0":
+            _SAID.add(was)
+            print(f"note: {was} is now {now}", file=sys.stderr)
+    return out
 
 
 def _budget_problems(cfg: RunConfig) -> list[str]:

@@ -6,10 +6,8 @@ and the `Sentinel` that holds the fault-injection hooks (faults.py) and the hang
 
 from __future__ import annotations
 
-import math
 import os
 import signal
-import statistics
 import threading
 import time
 from types import TracebackType
@@ -18,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from pretrain.config.run_sections import CheckpointConfig
+from pretrain.config.run_sections import StabilityConfig
 from pretrain.config.tree import RunConfig
 from pretrain.training.distributed.ranks import Dist
 from pretrain.training.faults import Faults
@@ -114,39 +112,34 @@ class StopOnSignal:
 class Agreement:
     """The ranks' agreement on (a non-finite loss on any rank, the signal any rank was asked to stop
     by, or 0, whether any rank's clock has passed schedule.max_hours), the same on every rank once
-    `wait()` returns. `start_agreement` sends it off without
-    waiting, so the collective's round trip hides behind the step's last backward and update.
+    `wait()` returns. `start_agreement` sends it off without waiting, so the collective's round trip
+    hides behind the step's last backward and update.
 
-    With the spike rule on, every rank's loss comes along (one all_gather instead of the all_reduce)
-    and `loss` is then their mean, the same bits on every rank: `judge` compares it to the rule."""
+    With the spike rule on, `spiked` (known on this rank at once, the same on every rank) says
+    whether the step is a spike, `loss` is the ranks' mean loss on the device, and after `wait()`
+    `spike` says why in the words of the log (None: no spike, or a non-finite loss anywhere)."""
 
-    def __init__(self, flags: torch.Tensor, work: Any, rows: list[torch.Tensor] | None = None) -> None:
-        self.flags, self.work, self.rows = flags, work, rows
-        self.loss: float | None = None  # the mean loss over the ranks (with the rule on), after wait()
-        self.spike: str | None = None  # why the step is a spike, after judge(); None: it is not
+    def __init__(
+        self,
+        flags: torch.Tensor,
+        work: Any,
+        *,
+        loss: torch.Tensor | None = None,
+        rule: SpikeRule | None = None,
+    ) -> None:
+        self.flags, self.work, self.loss, self.rule = flags, work, loss, rule
+        self.spiked = bool(flags[3])  # this rank's judgement, which every rank shares (see SpikeRule)
+        self.skipped = False  # the optimizer's step was skipped for the spike (OptimizerSkip)
+        self.spike: str | None = None  # why the step is a spike, after wait(); None: it is not
 
     def wait(self) -> tuple[bool, int, bool]:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        if self.rows is not None and self.loss is None:
-            self._combine(self.rows)
-        return bool(self.flags[0]), int(self.flags[1]), bool(self.flags[2])
-
-    def _combine(self, rows: list[torch.Tensor]) -> None:
-        """Every rank's row (non-finite, signal, out of time, loss sum, micro-steps), in rank order, to
-        the agreed flags and the mean loss per micro-step. `math.fsum` rounds the exact sum once, so
-        the mean is the same bits whatever order or CPU sums it."""
-        table = torch.stack(rows)
-        self.flags = table[:, :3].amax(dim=0).to(torch.int64)
-        self.loss = math.fsum(table[:, 3].tolist()) / math.fsum(table[:, 4].tolist())
-
-    def judge(self, rule: SpikeRule) -> str | None:
-        """Wait for the agreement and judge its mean loss by `rule`: why the step is a spike (kept in
-        `spike`), or None. A non-finite loss anywhere is not a spike: it is the step's other fault."""
-        bad, _, _ = self.wait()
-        self.spike = None if bad or self.loss is None else rule.judge(self.loss)
-        return self.spike
+        bad = bool(self.flags[0])
+        if self.spiked and not bad and self.spike is None and self.rule is not None and self.loss is not None:
+            self.spike = self.rule.why(self.loss)  # host reads, on a spike only: its log line
+        return bad, int(self.flags[1]), bool(self.flags[2])
 
 
 def start_agreement(
@@ -155,38 +148,24 @@ def start_agreement(
     group: Any,
     out_of_time: bool = False,
     *,
-    micro_steps: int | None = None,
+    loss: torch.Tensor | None = None,
+    rule: SpikeRule | None = None,
 ) -> Agreement:
-    """Begin agreeing on `step_loss` being finite, on a stop signal and on the run's time being up
-    (one host read of the loss; one asynchronous all_reduce over the gloo group, none for a single
-    rank). `micro_steps` (the spike rule is on): `step_loss` sums that many micro-batches' losses,
-    and the ranks agree on their mean too (an all_gather instead)."""
-    if micro_steps is not None:
-        return _start_with_loss(step_loss, signum, group, out_of_time, micro_steps)
-    finite = bool(torch.isfinite(step_loss))
-    flags = torch.tensor([0 if finite else 1, signum or 0, int(out_of_time)], dtype=torch.int64)
+    """Begin agreeing on `step_loss` being finite, on a stop signal and on the run's time being up:
+    one host read of the loss, the non-finite rule's, and one asynchronous all_reduce over the gloo
+    `group` (none for a single rank). With the spike rule on (`rule`, and `loss`, the ranks' mean
+    loss on the device, from `mean_loss`), the rule's verdict on `loss` comes along in that same
+    host read: the rule adds none of its own."""
+    spiked = False
+    if rule is None or loss is None:
+        finite = bool(torch.isfinite(step_loss))  # the one host read
+    else:
+        finite, spiked = torch.stack([torch.isfinite(step_loss), rule.judge(loss)]).tolist()  # the one
+    flags = torch.tensor([0 if finite else 1, signum or 0, int(out_of_time), int(spiked)], dtype=torch.int64)
     work = None
     if group is not None and tdist.get_world_size(group) > 1:
         work = tdist.all_reduce(flags, op=tdist.ReduceOp.MAX, group=group, async_op=True)
-    return Agreement(flags, work)
-
-
-def _start_with_loss(
-    step_loss: torch.Tensor, signum: int | None, group: Any, out_of_time: bool, micro_steps: int
-) -> Agreement:
-    """`start_agreement` with every rank's loss: each rank's row of float64s (a signal number and
-    a float32 loss are exact in them) gathered by every rank, which combines them alike. A gather,
-    not a sum, because the flags combine by max and the loss by a sum in a fixed order."""
-    loss = float(step_loss)  # the one host read
-    row = torch.tensor(
-        [0 if math.isfinite(loss) else 1, signum or 0, int(out_of_time), loss, micro_steps],
-        dtype=torch.float64,
-    )
-    if group is None or tdist.get_world_size(group) == 1:
-        return Agreement(row[:3].to(torch.int64), None, [row])
-    rows = [torch.empty_like(row) for _ in range(tdist.get_world_size(group))]
-    work = tdist.all_gather(rows, row, group=group, async_op=True)
-    return Agreement(row[:3].to(torch.int64), work, rows)
+    return Agreement(flags, work, loss=loss, rule=rule)
 
 
 def agree(step_loss: torch.Tensor, signum: int | None, group: Any) -> tuple[bool, int]:
@@ -200,50 +179,128 @@ def agree(step_loss: torch.Tensor, signum: int | None, group: Any) -> tuple[bool
 # Loss spikes
 
 
+def mean_loss(step_loss: torch.Tensor, micro_steps: int) -> torch.Tensor:
+    """The mean loss per micro-batch over every rank, on the device, the same bits on every rank:
+    each rank's (loss sum, micro-steps) in float64 (a float32 loss is exact in it), gathered by every
+    rank over the default process group (NCCL on GPUs: a collective on the device's stream, not a
+    host sync), summed in rank order. A gather, not an all_reduce, so that the sum's order is fixed."""
+    row = torch.stack(
+        [step_loss.detach().reshape(()).double(), torch.full_like(step_loss, micro_steps).double()]
+    )
+    if tdist.is_initialized() and (world := tdist.get_world_size()) > 1:
+        rows = torch.empty(world * 2, dtype=torch.float64, device=row.device)
+        tdist.all_gather_into_tensor(rows, row)  # flat: gloo's takes no (world, 2) output
+        rows = rows.reshape(world, 2)
+    else:
+        rows = row.reshape(1, 2)
+    return rows[:, 0].sum() / rows[:, 1].sum()
+
+
 class SpikeRule:
-    """checkpoint.spike_factor and spike_window: a step whose loss (the ranks' agreed mean) exceeds
-    `factor` x the median of the last `window` accepted steps' losses is a spike, and is skipped as
-    a non-finite one is. The rule applies once the window is full; skipped steps never enter it, and
-    a rollback restores the window of the checkpoint it goes back to (`recent` is saved with it).
+    """stability.spike_factor and spike_window: a step whose loss (the ranks' agreed mean, `mean_loss`)
+    exceeds `factor` x the median of the last `window` accepted steps' losses is a spike, and its
+    update is skipped (OptimizerSkip). The rule applies once the window is full; skipped steps never
+    enter it, and a rollback restores the window of the checkpoint it goes back to (`recent` is saved
+    with it).
+
+    Kept on the device: the window is a ring of float64s there, and `judge` and `accept` are device
+    ops that read nothing back, so that the rule adds no host sync to a step; how full the ring is,
+    and where the next loss goes, the host counts itself. Every rank holds the same window (the
+    agreed losses of the same accepted steps) and judges the same agreed loss by it: the ranks agree
+    on the verdict without a collective of its own.
 
     The median, not the mean: a spike that stayed under the factor, or a few high losses (a hard
     stretch of data), pull a mean up and would hide the next spike behind them; the median ignores
     anything in less than half the window. Off (`factor` None), no step is a spike and no loss is
     kept."""
 
-    def __init__(self, factor: float | None, window: int, recent: list[float] | None = None) -> None:
+    def __init__(
+        self,
+        factor: float | None,
+        window: int,
+        recent: list[float] | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         self.factor, self.window = factor, window
-        self.recent: list[float] = []  # the agreed losses of the last accepted steps, oldest first
+        self._ring = torch.zeros(window if factor is not None else 0, dtype=torch.float64, device=device)
+        self._filled = self._next = 0  # losses in the ring; the slot of the next (host counts)
         self.restore(recent or [])
 
     @classmethod
-    def of(cls, policy: CheckpointConfig) -> SpikeRule:
-        return cls(policy.spike_factor, policy.spike_window)
+    def of(cls, policy: StabilityConfig, device: torch.device | None = None) -> SpikeRule:
+        return cls(policy.spike_factor, policy.spike_window, device=device)
 
     @property
     def on(self) -> bool:
         return self.factor is not None
 
-    def judge(self, loss: float) -> str | None:
-        """Why a step of (agreed, finite) `loss` is a spike, in the words of the log, or None."""
-        if self.factor is None or len(self.recent) < self.window:
-            return None
-        median = statistics.median(self.recent)
-        if not loss > self.factor * median:
-            return None
+    def judge(self, loss: torch.Tensor) -> torch.Tensor:
+        """Whether a step of agreed `loss` is a spike: a bool on the device, not read back. A
+        non-finite loss is not a spike: it is the step's other fault."""
+        if self.factor is None or self._filled < self.window:
+            return torch.zeros((), dtype=torch.bool, device=loss.device)
+        return torch.isfinite(loss) & (loss > self.factor * self._median())
+
+    def _median(self) -> torch.Tensor:
+        """The median of the full window, as `statistics.median` takes it: the middle value, or the
+        mean of the two middle ones."""
+        ordered = torch.sort(self._ring).values
+        return (ordered[(self.window - 1) // 2] + ordered[self.window // 2]) / 2
+
+    def why(self, loss: torch.Tensor | float) -> str:
+        """What the log says of a spike of agreed `loss` (host reads: said on a spike only)."""
+        loss, median = float(loss), float(self._median())
         # fixed-point, as the log rows print the loss: never 1e+03, whatever the size
         times = f"{loss / median:.2f}" if median > 0 else "inf"
         return f"loss {loss:.4f} is a spike ({times} x the median of the last {self.window} steps)"
 
-    def accept(self, loss: float | None) -> None:
-        """A step of `loss` was accepted (its update applied): it enters the window."""
-        if self.factor is not None and loss is not None:
-            self.recent.append(loss)
-            del self.recent[: -self.window]
+    def accept(self, loss: torch.Tensor | float | None) -> None:
+        """A step of agreed `loss` was accepted (its update applied): it enters the window, on the
+        device (a copy into the ring, no host read)."""
+        if self.factor is None or loss is None:
+            return
+        self._ring[self._next] = loss
+        self._next = (self._next + 1) % self.window
+        self._filled = min(self._filled + 1, self.window)
+
+    @property
+    def recent(self) -> list[float]:
+        """The agreed losses of the last accepted steps, oldest first (a host read: for a checkpoint)."""
+        if self._filled < self.window:
+            return [float(x) for x in self._ring[: self._filled].tolist()]
+        return [float(x) for x in torch.roll(self._ring, -self._next).tolist()]
 
     def restore(self, recent: list[float]) -> None:
         """The window a checkpoint saved (its newest `window`, if the window has shrunk since)."""
-        self.recent = [float(x) for x in recent][-self.window :] if self.factor is not None else []
+        self._filled = self._next = 0
+        if self.factor is None:
+            return
+        kept = [float(x) for x in recent][-self.window :]
+        if kept:
+            self._ring[: len(kept)] = torch.tensor(kept, dtype=torch.float64)
+        self._filled, self._next = len(kept), len(kept) % self.window
+
+
+class OptimizerSkip:
+    """A spike's update not applied, bit for bit: the optimizer DeepSpeed built (`basic_optimizer`,
+    the one its ZeRO, bf16 and fp16 wrappers step) gets a `step` that does nothing while `skipping`,
+    so its parameters and state (moments, step counts, on the device or in DeepSpeedCPUAdam's C++)
+    stay exactly as before the step. DeepSpeed's own wrappers copy the unchanged fp32 weights back to
+    the model's, and zero the gradients, as after any step.
+
+    Not DeepSpeed's overflow skip: it skips only in fp16, bf16 and ZeRO 1 to 3, and only on a
+    non-finite gradient (the old way poisoned the loss with NaN, and at stage 0 in fp32, where it
+    does not skip, rolled back from disk). Not a 0/1 factor on the gradients either: Adam's moments
+    and step count would still move. The host knows the verdict before the step, from the
+    non-finite rule's read that every step makes anyway (see start_agreement)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self._step = optimizer.step
+        optimizer.step = self._maybe_step  # on the instance, as torch's LR schedulers wrap it
+        self.skipping = False
+
+    def _maybe_step(self, *args: Any, **kwargs: Any) -> Any:
+        return None if self.skipping else self._step(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

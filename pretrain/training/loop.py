@@ -26,7 +26,7 @@ from pretrain.training.distributed import engine as ds_engine
 from pretrain.training.distributed.ranks import Dist, gather
 from pretrain.training.evaluate import evaluate, sample
 from pretrain.training.faults import Faults
-from pretrain.training.guards import Agreement, Sentinel, SpikeRule, start_agreement
+from pretrain.training.guards import Agreement, OptimizerSkip, Sentinel, SpikeRule, mean_loss, start_agreement
 from pretrain.training.metrics import (
     MetricsLog,
     PhaseTimer,
@@ -67,12 +67,13 @@ class Progress:
     # The log window a checkpoint was saved in the middle of: its steps, the micro-steps of each, and
     # every rank's loss sum over them.
     loss_window: tuple[int, int, list[float]] = (0, 1, [])
-    # checkpoint.spike_factor's rule and the accepted steps' losses it judges by (saved, restored)
+    # stability.spike_factor's rule and the accepted steps' losses it judges by (saved, restored)
     spikes: SpikeRule = field(default_factory=lambda: SpikeRule(None, 1))
+    skip: OptimizerSkip | None = None  # how a spike's update is skipped (the rule on, no pipeline)
 
-    def advance(self, tokens: int, loss: float | None = None) -> int:
-        """One more step done, on `tokens` tokens, of agreed mean `loss` (None: the spike rule is
-        off); it ends a streak of bad steps. Returns the steps done."""
+    def advance(self, tokens: int, loss: torch.Tensor | None = None) -> int:
+        """One more step done, on `tokens` tokens, of agreed mean `loss` on the device (None: the
+        spike rule is off); it ends a streak of bad steps. Returns the steps done."""
         self.bad_streak.clear()
         self.spikes.accept(loss)
         self.step += 1
@@ -175,17 +176,25 @@ def train(cfg: RunConfig, dist: Dist, resume: bool | str | None = None) -> Train
                 signum=sentinel.signum,
                 out_of_time=clock.spent(max_hours),
                 spikes=progress.spikes if progress.spikes.on else None,
+                skip=progress.skip,
             )
             # 2b. all ranks agree on a non-finite loss anywhere, a stop signal and the clock passing
             # schedule.max_hours: one host read of the loss a step, the price of never training on a NaN
-            # (the collective went off before the last backward). A bad step (a loss spike too, which
-            # train_step judged before the last backward) is not counted: the next batch is tried for it;
-            # M in a row roll back. Time up ends the run after this step.
+            # (the collective went off before the last backward; the spike rule's verdict, judged on the
+            # device, came in the same read). A bad step (a loss spike too) is not counted: the next
+            # batch is tried for it; M in a row roll back. Time up ends the run after this step.
             bad, stop_requested, out_of_time = verdict.wait()
             if bad or verdict.spike:
                 out_of_time = False  # asked again after the retried step, which saves
                 saver.wait()  # a rollback picks among committed checkpoints
-                if _on_bad_step(run, progress, sentinel, batch_start=batch_start, spike=verdict.spike):
+                if _on_bad_step(
+                    run,
+                    progress,
+                    sentinel,
+                    batch_start=batch_start,
+                    spike=verdict.spike,
+                    skipped=verdict.skipped,
+                ):
                     interval.reset()
                 continue
             if step == start_step:
@@ -247,14 +256,15 @@ def train_step(
     signum: int | None = None,
     out_of_time: bool = False,
     spikes: SpikeRule | None = None,
+    skip: OptimizerSkip | None = None,
 ) -> StepResult:
     """One optimizer step: forward and backward on each micro batch, DeepSpeed stepping on the
     last. Returns the summed loss and the gradient norm (every step where the loop clips at stage 0;
     at other stage-0 runs when asked; else None), both left on the device, and the ranks' agreement
     on a non-finite loss, a stop signal (`signum`) or the time being up (`out_of_time`), started
-    after the last forward. With the spike rule (`spikes`), the step waits for the agreement before
-    the last backward, and a spike's update is not applied (`Agreement.spike` says why). A
-    pipeline's step is `pipeline_step`'s."""
+    after the last forward. With the spike rule (`spikes`), the ranks' mean loss is judged on the
+    device after the last forward, and a spike's update is not applied (`skip`; `Agreement.spike`
+    says why). A pipeline's step is `pipeline_step`'s."""
     if run.pipelined:
         return pipeline_step(run, timer, faults, batch_start, want_grad_norm, signum, out_of_time, spikes)
     engine, dev, cfg = run.engine, run.engine.device, run.cfg
@@ -272,14 +282,8 @@ def train_step(
             loss = loss * factor  # test hooks: PRETRAIN_FAULT_NAN_STEPS, PRETRAIN_FAULT_SPIKE_STEPS
         step_loss += loss.detach().float()
         if i == micro_steps - 1:
-            if spikes is None:
-                verdict = start_agreement(step_loss, signum, run.ctrl, out_of_time)
-            else:
-                verdict = start_agreement(step_loss, signum, run.ctrl, out_of_time, micro_steps=micro_steps)
-                if verdict.judge(spikes):
-                    # Every rank poisons its last gradients, so that DeepSpeed's own overflow check skips
-                    # the update as it skips a NaN step's (and the loop rolls back where it does not).
-                    loss = loss * float("nan")
+            agreed = mean_loss(step_loss, micro_steps) if spikes is not None else None
+            verdict = start_agreement(step_loss, signum, run.ctrl, out_of_time, loss=agreed, rule=spikes)
         engine.backward(loss)
         if engine.is_gradient_accumulation_boundary():
             if ds_engine.clips_itself(cfg, run.layout):
@@ -291,7 +295,14 @@ def train_step(
                     engine.module, tensor=run.layout.tensor_parallel
                 )  # DeepSpeed reports none
         timer.phase("optimizer")
-        engine.step()
+        if verdict is not None and verdict.spiked and skip is not None:
+            # every rank judged the same loss by the same window: all of them skip the update
+            skip.skipping = verdict.skipped = True
+        try:
+            engine.step()
+        finally:
+            if skip is not None:
+                skip.skipping = False
     timer.stop()
     assert verdict is not None
     return step_loss, grad_norm, verdict
@@ -325,11 +336,8 @@ def pipeline_step(
     step_loss = mean_loss.detach().float().reshape(()) * micro_steps
     if faults.spike(batch_start, run.dist.rank):
         step_loss = step_loss * faults.SPIKE  # test hook: PRETRAIN_FAULT_SPIKE_STEPS (the loss only)
-    if spikes is None:
-        verdict = start_agreement(step_loss, signum, run.ctrl, out_of_time)
-    else:
-        verdict = start_agreement(step_loss, signum, run.ctrl, out_of_time, micro_steps=micro_steps)
-        verdict.judge(spikes)
+    agreed = mean_loss(step_loss, micro_steps) if spikes is not None else None
+    verdict = start_agreement(step_loss, signum, run.ctrl, out_of_time, loss=agreed, rule=spikes)
     timer.stop()
     return step_loss, engine.get_global_grad_norm() if want_grad_norm else None, verdict
 
@@ -387,7 +395,9 @@ def _ended_by(run: Run, progress: Progress, signum: int, out_of_time: bool) -> s
 
 def _start(run: Run) -> Progress:
     """Where the run starts: step 0, or the checkpoint it resumes from."""
-    progress = Progress(spikes=SpikeRule.of(run.cfg.checkpoint))
+    progress = Progress(spikes=SpikeRule.of(run.cfg.stability, run.engine.device))
+    if progress.spikes.on and not run.pipelined:  # a pipeline's step is inside train_batch: it rolls back
+        progress.skip = OptimizerSkip(run.engine.basic_optimizer)
     if run.resume_from is not None:
         _restore(run, run.resume_from, progress)
     return progress
@@ -612,17 +622,24 @@ def _log(
 
 
 def _on_bad_step(
-    run: Run, progress: Progress, sentinel: Sentinel, *, batch_start: int, spike: str | None = None
+    run: Run,
+    progress: Progress,
+    sentinel: Sentinel,
+    *,
+    batch_start: int,
+    spike: str | None = None,
+    skipped: bool = False,
 ) -> bool:
-    """After a non-finite loss or a loss spike (`spike`: why it is one): skip the step (DeepSpeed did
-    not apply the update) or, after checkpoint.max_bad_steps in a row or an applied update, roll back
-    to the newest checkpoint and skip the batches that led there. Returns True if it rolled back."""
+    """After a non-finite loss or a loss spike (`spike`: why it is one; `skipped`: its update was
+    skipped by OptimizerSkip): skip the step (the update was not applied) or, after
+    stability.max_bad_steps in a row or an applied update, roll back to the newest checkpoint and skip
+    the batches that led there. Returns True if it rolled back."""
     sentinel.expect("the retry after a bad step (or its rollback)", progress.step)
-    dist, policy = run.dist, run.cfg.checkpoint
+    dist, policy = run.dist, run.cfg.stability
     kind, why = ("loss spike", spike) if spike else ("non-finite loss", "non-finite loss")
     progress.bad_streak.append(batch_start)
     # stage 0 in fp32 applies even a NaN update, and a pipeline has applied a spike's before it is known
-    applied = run.engine.was_step_applied()
+    applied = run.engine.was_step_applied() and not skipped
     streak = len(progress.bad_streak)
     if not applied and streak < policy.max_bad_steps:
         progress.skipped_steps.append(progress.step + 1)
@@ -633,21 +650,21 @@ def _on_bad_step(
     if len(progress.rollbacks) >= policy.max_rollbacks:
         raise CheckpointError(
             f"step {progress.step + 1}: {kind} again after {len(progress.rollbacks)} rollbacks "
-            f"(checkpoint.max_rollbacks), stopping: resume with a larger checkpoint.max_rollbacks"
+            f"(stability.max_rollbacks), stopping: resume with a larger stability.max_rollbacks"
             f"{' or spike_factor' if spike else ''}, or a lower optimizer.lr"
         )
     target = find_checkpoint(
         run.ckpt_dir,
         "auto",
         layout=run.layout,
-        checksums=policy.checksums,
+        checksums=run.cfg.checkpoint.checksums,
         group=run.ctrl,
     )
     if target is None:
         raise CheckpointError(
             f"step {progress.step + 1}: {kind} {streak} steps in a row"
             f"{' and the update was applied' if applied else ''}, and no checkpoint to roll back to: save one "
-            f"before this step (a smaller checkpoint.interval){' or raise checkpoint.spike_factor' if spike else ''}"
+            f"before this step (a smaller checkpoint.interval){' or raise stability.spike_factor' if spike else ''}"
         )
     progress.skip_batches.update(progress.bad_streak)
     progress.bad_streak.clear()
