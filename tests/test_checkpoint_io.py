@@ -9,6 +9,7 @@ import collections
 import hashlib
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,6 +103,55 @@ def test_verify_checks_every_file_of_either_digest_on_threads(tmp_path, digest):
     assert checkpoint.verify(path, checksums=False) == ["f1.pt: 5 bytes, expected 1001"]
     (path / "f4.pt").unlink()
     assert "f4.pt: No such file or directory" in checkpoint.verify(path)
+
+
+def test_deepspeeds_checkpoint_engine_interface_is_the_one_ours_implements():
+    """Every method of DeepSpeed's CheckpointEngine, as checked on 0.19.8: one more, and
+    RecordingEngine must say what it does with it; the abstract ones are all implemented."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+    methods = {n for n, v in vars(CheckpointEngine).items() if callable(v) and not n.startswith("__")}
+    assert methods == {"create", "save", "makedirs", "load", "commit", "is_data_parallel_writer",
+                       "is_decoupled", "set_commit_info", "get_commit_info", "cleanup",
+                       "preserves_storage_sharing"}  # fmt: skip
+    cls = checkpoint.recording_engine_class()
+    assert issubclass(cls, CheckpointEngine) and not cls.__abstractmethods__
+
+
+def test_the_recording_engine_writes_records_and_loads(tmp_path):
+    """Through DeepSpeed's interface, as its engine calls it: a file written at once and one captured
+    (written by `write_all`), each recorded with its size and digest and loaded back through
+    DeepSpeed's TorchCheckpointEngine; a directory or file that cannot be made is recorded, not raised."""
+    from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo, TorchCheckpointEngine
+
+    engine = checkpoint.recording_engine_class()(TorchCheckpointEngine())
+    rec = engine.recorder
+    info = CheckpointCommitInfo(tag="t", save_dir=str(tmp_path), save_latest=False)
+    rec.reset(checksums=True, capture=False)
+    engine.create(info)
+    engine.makedirs(str(tmp_path / "t"), exist_ok=True)
+    engine.save({"w": torch.arange(4.0)}, str(tmp_path / "t" / "a.pt"))
+    rec.capture = True
+    w = torch.ones(3)
+    engine.save({"w": w}, str(tmp_path / "t" / "b.pt"))
+    w.add_(1.0)  # the step goes on: the captured copy is what is written
+    assert engine.commit(info) is True and not engine.is_decoupled() and engine.preserves_storage_sharing()
+    assert not (tmp_path / "t" / "b.pt").exists()
+    written, errors = rec.write_all()
+    assert errors == [] and sorted(Path(p).name for p in written) == ["a.pt", "b.pt"]
+    for path, entry in written.items():
+        assert entry == describe(Path(path), True)
+    assert torch.equal(engine.load(str(tmp_path / "t" / "b.pt"))["w"], torch.ones(3))
+
+    (tmp_path / "file").write_bytes(b"")
+    rec.reset(checksums=True, capture=False)
+    engine.makedirs(str(tmp_path / "file" / "t"), exist_ok=True)  # under a file: NotADirectoryError
+    engine.save({"w": w}, str(tmp_path / "file" / "t" / "a.pt"))
+    written, errors = rec.write_all()
+    assert written == {} and len(errors) == 1 and "Not a directory" in errors[0]
+    rec.reset(checksums=True, capture=False)
+    engine.save({"w": w}, str(tmp_path / "missing" / "a.pt"))
+    assert len(rec.write_all()[1]) == 1
 
 
 def test_a_background_failure_is_raised_by_the_next_wait():

@@ -21,6 +21,7 @@ PRIVATE = {
     "_init_tp_mesh_device",
     "_TENSOR_MODEL_PARALLEL_GROUP",
     "build_shm_op",
+    "checkpoint_engine",  # public in name, but DeepSpeed offers no way to set it (set_checkpoint_engine)
 }
 
 
@@ -80,6 +81,23 @@ def test_the_engine_reads_what_ds_internals_writes():
     source = _source("deepspeed.runtime.engine.DeepSpeedEngine")
     assert "return self._config.gradient_clipping" in source
     assert "return self._config.load_universal_checkpoint" in source
+
+
+def test_the_checkpoint_engine_is_set_by_the_engine_alone_and_used_for_every_save_and_load():
+    """`deepspeed.initialize` takes no checkpoint engine (the day it does, set_checkpoint_engine goes);
+    the engine builds its own in `_configure_checkpointing` and saves and loads through it."""
+    import deepspeed
+
+    assert "checkpoint_engine" not in inspect.signature(deepspeed.initialize).parameters
+    source = _source("deepspeed.runtime.engine.DeepSpeedEngine")
+    assert "self.checkpoint_engine = create_checkpoint_engine(" in source
+    for call in (
+        "self.checkpoint_engine.save(",
+        "self.checkpoint_engine.load(",
+        "self.checkpoint_engine.commit(",
+    ):
+        assert call in source, f"{call} (checked on {ds_internals.CHECKED_ON})"
+    assert "checkpoint_engine.save(" in _source("deepspeed.runtime.pipe.module.PipelineModule")
 
 
 def test_skip_shm_comm_op_leaves_a_callable_that_builds_nothing():

@@ -1,6 +1,7 @@
 """The bytes of a checkpoint: writing DeepSpeed's files without the zip CRC, hashing and fsyncing them
-beside the writing, verifying them in parallel, and the host snapshot an asynchronous save writes
-from. What the files mean, and the commit that makes them a checkpoint: checkpoint.py.
+beside the writing, verifying them in parallel, the host snapshot an asynchronous save writes from,
+and the `Recorder` that does all of it for DeepSpeed's checkpoint engine interface (store.py's
+`RecordingEngine`). What the files mean, and the commit that makes them a checkpoint: store.py.
 
 Where a synchronous save's time went before (gpt2-124m, ZeRO-2, 2 CPU ranks; docs/checkpoints.md):
 torch's zip writer computes a CRC-32 of every record (about 45% of `torch.save`), and then the whole
@@ -19,6 +20,7 @@ import hashlib
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -216,6 +218,81 @@ def storages(obj: Any) -> list[torch.UntypedStorage]:
 def tensor_bytes(obj: Any) -> int:
     """Bytes of the distinct storages in `obj`: what its snapshot holds in host memory."""
     return sum(st.nbytes() for st in storages(obj))
+
+
+# ---------------------------------------------------------------------------------------------
+# The writing of one save, on this rank
+
+
+class Recorder:
+    """This rank's files of one save. Each is written (by `write`: DeepSpeed's own `torch.save`)
+    without the zip CRC, then hashed and fsynced on a thread while the next is written, and recorded;
+    a failed write or directory (a full disk) is recorded instead of raised, so that every rank still
+    reaches DeepSpeed's own barriers and all can fail together. While `capture` is on (an asynchronous
+    save), each state dict is snapshotted to host memory and kept, and written later by `write_all`.
+    `reset` starts each save."""
+
+    def __init__(self, write: Callable[[Any, str], None]) -> None:
+        self._write = write
+        self.snapshot_seconds = 0.0  # the copies of asynchronous saves, for the benchmark
+        self.pool: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}
+        self.written_snapshots: list[Any] = []
+        self.on_write: Callable[[str], None] | None = None  # test hook, called after each file
+        self.reset(checksums=True, capture=False)
+
+    def reset(self, *, checksums: bool, capture: bool) -> None:
+        self.checksums, self.capture = checksums, capture
+        # The host buffers of the last snapshot, written by now: the next one copies into them (a
+        # synchronous save in between keeps them).
+        if self.written_snapshots:
+            self.pool = {}
+            for sd in self.written_snapshots:
+                for st in storages(sd):
+                    self.pool.setdefault((st.nbytes(), st.is_pinned()), []).append(st)
+            self.written_snapshots = []
+        self.sink = FileSink(checksums)
+        self.captured: list[tuple[Any, str]] = []
+        self.direct: list[str] = []  # files of an asynchronous save written at once, for want of memory
+        self.errors: list[str] = []
+
+    def makedirs(self, path: str, exist_ok: bool) -> None:
+        try:
+            os.makedirs(path, exist_ok=exist_ok)
+        except OSError as e:
+            self.errors.append(f"{path}: {e}")
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self.capture and fits_in_host(tensor_bytes(state_dict)):
+            t0 = time.perf_counter()
+            self.captured.append((snapshot(state_dict, self.pool), path))
+            self.snapshot_seconds += time.perf_counter() - t0
+            return
+        if self.capture:  # no room for its copy: written now, the step waits for this file
+            self.direct.append(path)
+        self.write(state_dict, path)
+
+    def write(self, state_dict: Any, path: str) -> None:
+        if self.errors:
+            return  # one failure is enough; don't fill the disk further
+        try:
+            with without_zip_crc():
+                self._write(state_dict, path)
+        except (OSError, RuntimeError) as e:  # torch's zip writer reports ENOSPC as a RuntimeError
+            self.errors.append(f"{path}: {e}")
+            return
+        self.sink.add(path)
+        if self.on_write is not None:
+            self.on_write(path)
+
+    def write_all(self) -> tuple[dict[str, dict[str, Any]], list[str]]:
+        """Write what was captured, then wait for every file's hash and fsync: ({path: entry},
+        [errors])."""
+        while self.captured:
+            state_dict, path = self.captured.pop(0)
+            self.write(state_dict, path)
+            self.written_snapshots.append(state_dict)  # its buffers serve the next snapshot
+        written, errors = self.sink.results()
+        return written, self.errors + errors
 
 
 class Background:

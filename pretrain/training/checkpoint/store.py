@@ -17,6 +17,7 @@ that DeepSpeed pickles into its checkpoints allowlisted.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -43,16 +44,13 @@ from pretrain.files import fsync_dir, write_atomic
 from pretrain.training import rundir
 from pretrain.training.checkpoint.files import (
     Background,
-    FileSink,
+    Recorder,
     describe,
     describe_all,
     digest_key,
-    fits_in_host,
-    snapshot,
-    storages,
     tensor_bytes,
-    without_zip_crc,
 )
+from pretrain.training.distributed import ds_internals
 from pretrain.training.distributed.ranks import barrier, control_group, gather, world_of
 from pretrain.training.faults import Faults
 
@@ -288,77 +286,75 @@ def client_state(
 # Saving
 
 
-class _RecordingEngine:
-    """Wraps DeepSpeed's checkpoint engine. Each file this rank writes is written without the zip
-    CRC, then hashed and fsynced on a thread while the next is written (files.py), and
-    recorded; a failed write (full disk) is recorded instead of raised, so that every rank still
-    reaches DeepSpeed's own barriers and all can fail together. While `capture` is on (an
-    asynchronous save), each state dict is snapshotted and kept, and written later by `write_all`."""
+@functools.cache
+def recording_engine_class() -> type[Any]:
+    """`RecordingEngine`, built on the first save: its base class is DeepSpeed's, and importing
+    DeepSpeed takes a second that the commands which only read checkpoints (export, sample) skip."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.snapshot_seconds = 0.0  # the copies of asynchronous saves, for the benchmark
-        self.pool: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}
-        self.written_snapshots: list[tuple[Any, str]] = []
-        self.reset(checksums=True, capture=False)
-        self.on_write: Any = None  # test hook, called after each file
+    class RecordingEngine(CheckpointEngine):
+        """DeepSpeed's checkpoint engine interface (`CheckpointEngine`) with our writing: each file
+        goes to the `Recorder` (files.py: no zip CRC, hashed and fsynced beside the writing, failures
+        recorded, snapshots for a background save), and loads go to the TorchCheckpointEngine that
+        DeepSpeed built from the config, whose `save` also writes each file's bytes.
 
-    def reset(self, *, checksums: bool, capture: bool) -> None:
-        self.checksums, self.capture = checksums, capture
-        # The host buffers of the last snapshot, written by now: the next one copies into them (a
-        # synchronous save in between keeps them).
-        if self.written_snapshots:
-            self.pool = {}
-            for sd, _ in self.written_snapshots:
-                for st in storages(sd):
-                    self.pool.setdefault((st.nbytes(), st.is_pinned()), []).append(st)
-            self.written_snapshots = []
-        self.sink = FileSink(checksums)
-        self.captured: list[tuple[Any, str]] = []
-        self.direct: list[str] = []  # files of an asynchronous save written at once, for want of memory
-        self.errors: list[str] = []
+        Not decoupled: DeepSpeed then calls `commit` at the end of `save_checkpoint` on every rank,
+        never from `engine.step`. That `commit` only says this rank's files are handed over; the
+        checkpoint's own commit (verify, rename, `latest`, retention) is `_settle`'s, once every
+        file of every rank is durable and every rank knows whether all were."""
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+        def __init__(self, torch_engine: Any) -> None:
+            super().__init__()
+            self.name = "pretrain.RecordingEngine"
+            self.torch_engine = torch_engine
+            self.recorder = Recorder(torch_engine.save)
 
-    def save(self, state_dict: Any, path: str) -> None:
-        if self.capture and fits_in_host(tensor_bytes(state_dict)):
-            t0 = time.perf_counter()
-            self.captured.append((snapshot(state_dict, self.pool), path))
-            self.snapshot_seconds += time.perf_counter() - t0
-            return
-        if self.capture:  # no room for its copy: written now, the step waits for this file
-            self.direct.append(path)
-        self.write(state_dict, path)
+        def create(self, info: CheckpointCommitInfo) -> None:
+            pass  # nothing to open: `save` resets the Recorder before `engine.save_checkpoint`
 
-    def write(self, state_dict: Any, path: str) -> None:
-        if self.errors:
-            return  # one failure is enough; don't fill the disk further
-        try:
-            with without_zip_crc():
-                self.inner.save(state_dict, path)
-        except (OSError, RuntimeError) as e:  # torch's zip writer reports ENOSPC as a RuntimeError
-            self.errors.append(f"{path}: {e}")
-            return
-        self.sink.add(path)
-        if self.on_write is not None:
-            self.on_write(path)
+        def makedirs(self, path: str, exist_ok: bool = False) -> None:
+            self.recorder.makedirs(path, exist_ok)
 
-    def write_all(self) -> tuple[dict[str, dict[str, Any]], list[str]]:
-        """Write what was captured, then wait for every file's hash and fsync: ({path: entry},
-        [errors])."""
-        while self.captured:
-            state_dict, path = self.captured.pop(0)
-            self.write(state_dict, path)
-            self.written_snapshots.append((state_dict, path))  # its buffers serve the next snapshot
-        written, errors = self.sink.results()
-        return written, self.errors + errors
+        def save(self, state_dict: Any, path: str) -> None:
+            self.recorder.save(state_dict, path)
+
+        def load(self, path: str, map_location: Any = None) -> Any:
+            return self.torch_engine.load(path, map_location=map_location)
+
+        def commit(self, info: CheckpointCommitInfo) -> bool:
+            return True  # this rank's files are handed over; the checkpoint is committed by `_settle`
+
+        def is_data_parallel_writer(self, dp_rank: int) -> bool:
+            return bool(self.torch_engine.is_data_parallel_writer(dp_rank))
+
+        def is_decoupled(self) -> bool:
+            return False
+
+        def preserves_storage_sharing(self) -> bool:
+            # torch.save keeps views of one storage together: DeepSpeed then clones the weights it
+            # saves out of its flat buffers, so that a file holds them only (TorchCheckpointEngine's)
+            return True
+
+    return RecordingEngine
 
 
-def recorder(engine: Any) -> _RecordingEngine:
-    if not isinstance(engine.checkpoint_engine, _RecordingEngine):
-        engine.checkpoint_engine = _RecordingEngine(engine.checkpoint_engine)
-    rec: _RecordingEngine = engine.checkpoint_engine
+def recorder(engine: Any) -> Recorder:
+    """The Recorder of `engine`'s saves: the first call installs a `RecordingEngine` around the
+    TorchCheckpointEngine DeepSpeed built (ds_internals: DeepSpeed takes no engine of ours)."""
+    cls = recording_engine_class()
+    current = ds_internals.get_checkpoint_engine(engine)
+    if not isinstance(current, cls):
+        from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+        if not isinstance(current, TorchCheckpointEngine):
+            raise CheckpointError(
+                f"DeepSpeed's checkpoint engine is {type(current).__name__}, not its TorchCheckpointEngine: "
+                "pretrain writes checkpoints through its own engine around that one; remove the "
+                "DeepSpeed config's checkpoint.writer and datastates sections"
+            )
+        current = cls(current)
+        ds_internals.set_checkpoint_engine(engine, current)
+    rec: Recorder = current.recorder
     return rec
 
 

@@ -67,3 +67,19 @@ def load_universal_next(engine: Any, universal: bool) -> None:
     """Whether the engine's next `load_checkpoint` reads a universal checkpoint
     (`engine._config.load_universal_checkpoint`, read only while loading)."""
     engine._config.load_universal_checkpoint = universal
+
+
+def get_checkpoint_engine(engine: Any) -> Any:
+    """The CheckpointEngine the engine saves and loads through (`engine.checkpoint_engine`)."""
+    return engine.checkpoint_engine
+
+
+def set_checkpoint_engine(engine: Any, checkpoint_engine: Any) -> None:
+    """Make `checkpoint_engine` (a `CheckpointEngine`) the one the engine saves and loads through.
+
+    DeepSpeed 0.19 has no public way to pass a checkpoint engine of one's own: `deepspeed.initialize`
+    takes none, and `_configure_checkpointing` builds one of its own kinds (torch.save, its fast or
+    decoupled writers, DataStates) from the config's `checkpoint.writer` and `datastates` keys. Every
+    save and load of the engine and of a PipelineModule then calls `engine.checkpoint_engine`'s methods,
+    so this one assignment, after `deepspeed.initialize`, is where ours goes in."""
+    engine.checkpoint_engine = checkpoint_engine
