@@ -190,11 +190,14 @@ def parser() -> argparse.ArgumentParser:
         "'# pretrain: device=A100-80GB host-gb=1024' line.",
     )
     p.add_argument(
-        "--device-gb",
+        "--gpu-gb",
         type=MEASURE,
-        help="Memory of one rank's device in GB (default: the device's name, the hostfile's line, else this "
-        "machine's).",
+        help="Memory of one rank's GPU in GB (default: the GPU's name, the hostfile's line, else this "
+        "machine's device).",
     )
+    p.add_argument(
+        "--device-gb", type=MEASURE, dest="old_gpu_gb", help=argparse.SUPPRESS
+    )  # --gpu-gb's old name
     p.add_argument(
         "--host-gb",
         type=MEASURE,
@@ -208,10 +211,11 @@ def parser() -> argparse.ArgumentParser:
         "step time (default: a previous run, preflight's figure, this machine, assumptions)"
     )
     t.add_argument(
-        "--device",
+        "--gpu",
         help="The GPU, for its datasheet peak and, where the name says it (A100-80GB) or the GPU comes in "
         "one size (H100), its memory; or 'cpu'.",
     )
+    t.add_argument("--device", dest="old_gpu", help=argparse.SUPPRESS)  # --gpu's old name
     t.add_argument("--peak-tflops", type=MEASURE, help="One rank's peak TFLOP/s.")
     t.add_argument("--mfu", type=FRACTION, help="The fraction of the peak forward+backward reach.")
     t.add_argument("--busbw", type=MEASURE, help="All-reduce bus bandwidth in GB/s (preflight measures it).")
@@ -590,6 +594,21 @@ def cmd_fields(args: argparse.Namespace) -> int:
     return 0
 
 
+def _renamed(args: argparse.Namespace, dest: str, old: str) -> Any:
+    """The value of plan's `--gpu`/`--gpu-gb`, also taken under their old names (`--device` is a torch
+    device in `sample`, so plan's GPU is `--gpu`), said once."""
+    new, was = getattr(args, dest), getattr(args, "old_" + dest)
+    flag = "--" + dest.replace("_", "-")
+    if was is None:
+        return new
+    if new is not None and new != was:
+        raise ConfigError(
+            [f"{old} {was} and {flag} {new}: {old} is {flag}'s old name; give {flag} alone"], "plan arguments"
+        )
+    print(f"note: plan {old} is now {flag} (sample's --device is a torch device)", file=sys.stderr)
+    return was
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from pretrain.plan.report import plan_json, render_plan
     from pretrain.plan.target import plan_inputs
@@ -603,8 +622,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         hostfile=args.hostfile,
         world_size=args.world_size,
         gpus_per_node=args.gpus_per_node,
-        device=args.device,
-        device_gb=args.device_gb,
+        device=_renamed(args, "gpu", "--device"),
+        device_gb=_renamed(args, "gpu_gb", "--device-gb"),
         host_gb=args.host_gb,
         peak_tflops=args.peak_tflops,
         mfu=args.mfu,

@@ -224,7 +224,7 @@ def test_render_all_check_passes_on_the_committed_files(tmp_path):
             ["plan", "gpt2-124m", "--mfu", "1.5"],
             "argument --mfu: 1.5 is out of range: a number above 0 and at most 1",
         ),
-        (["plan", "gpt2-124m", "--device-gb", "nan"], "argument --device-gb: nan is out of range"),
+        (["plan", "gpt2-124m", "--gpu-gb", "nan"], "argument --gpu-gb: nan is out of range"),
         (
             ["train", "--max-restarts", "-1"],
             "argument --max-restarts: -1 is out of range: a whole number at least 0",

@@ -455,6 +455,6 @@ def test_plan_and_render_refuse_infinite_sizes_and_world_sizes_past_any_machine(
         (["plan", "--world-size", "1e12"], "--world-size: '1e12' is not a whole number"),
         (["render", "--world-size", "1" + "0" * 20], "--world-size: 1" + "0" * 20 + " is out of range"),
         *[(["plan", flag, "inf"], f"argument {flag}: inf is out of range: a finite number above 0")
-          for flag in ("--peak-tflops", "--host-gb", "--device-gb", "--busbw", "--node-busbw")],
+          for flag in ("--peak-tflops", "--host-gb", "--gpu-gb", "--busbw", "--node-busbw")],
     ]:  # fmt: skip
         one_error(main(*argv), needle)

@@ -159,7 +159,7 @@ def test_plan_command(tmp_path, capsys):
     run.write_text(
         "preset: gpt2-124m\nbatch:\n  gradient_accumulation_steps: 2\nmodel:\n  vocab_size: 50304\n"
     )
-    text = run_plan(capsys, str(run), "--world-size", "16", "--device-gb", "40")
+    text = run_plan(capsys, str(run), "--world-size", "16", "--gpu-gb", "40")
     assert "micro 12 x accumulation 2 x data-parallel 16 = 384 sequences per step" in text
     assert "tokens: 393,216 per step" in text
     assert '"zero_optimization": {' in text and '"train_batch_size": 384' in text
@@ -238,14 +238,14 @@ def test_rates_from_a_previous_run(tmp_path):
     ).step_s == pytest.approx(2.1 + 0.02, rel=1e-6)
     with pytest.raises(ConfigError, match="not a finished run's directory"):
         resolve_rates(cfg, 2, 2, device="cpu", peak_tflops=0.1, from_runs=[tmp_path / "nothing"])
-    with pytest.raises(ConfigError, match="--device B200: not in the peak table"):
+    with pytest.raises(ConfigError, match="--gpu B200: not in the peak table"):
         resolve_rates(cfg, 2, 2, device="B200")
 
 
 def test_plan_takes_the_hostfile_and_prints_step_times(tmp_path, capsys):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node-1 slots=8\nnode-2 slots=8\n")
-    text = run_plan(capsys, "gpt-6.7b", "--hostfile", str(hostfile), "--device", "A100", "--device-gb", "80",
+    text = run_plan(capsys, "gpt-6.7b", "--hostfile", str(hostfile), "--gpu", "A100", "--gpu-gb", "80",
                     "--host-gb", "1000", "--mfu", "0.45", "--busbw", "25")  # fmt: skip
     assert "micro 4 x accumulation 8 x data-parallel 16 = 512 sequences per step" in text
     assert "peak 312 TFLOP/s a rank (A100 datasheet); MFU of forward+backward 0.45 (--mfu)" in text
@@ -254,14 +254,14 @@ def test_plan_takes_the_hostfile_and_prints_step_times(tmp_path, capsys):
     assert len(times) == 2 and times[1].startswith("*ZeRO-2  optimizer")  # this config's row
     assert "days: to train schedule.max_steps = 143,000 steps" in text
     plan = json.loads(
-        run_plan(capsys, "gpt-6.7b", "--hostfile", str(hostfile), "--device", "A100-80GB", "--json")
+        run_plan(capsys, "gpt-6.7b", "--hostfile", str(hostfile), "--gpu", "A100-80GB", "--json")
     )
     assert (
         plan["world_size"] == 16 and len(plan["step_times"]) == 8 and plan["rates"]["mfu"] == 0.60
     )  # A100, 3-30B: docs/plan.md
     # host memory judged under offload: 8 ranks' CPU Adam state (6.7 GB each) does not fit in 40 GB
     small_host = run_plan(
-        capsys, "gpt-6.7b", "--hostfile", str(hostfile), "--device", "A100-80GB", "--host-gb", "40"
+        capsys, "gpt-6.7b", "--hostfile", str(hostfile), "--gpu", "A100-80GB", "--host-gb", "40"
     )
     row = next(line for line in small_host.splitlines() if line.startswith("*2"))
     assert row.rstrip().endswith("| NO")

@@ -201,7 +201,7 @@ def test_cpu_ranks_hold_their_model_in_host_memory():
         assert p.host_node_gb == pytest.approx(2 * p.host_rank_gb)
     # a plan for this CPU machine says so
     assert "the host being the CPU ranks' device" in host_line(
-        plan_text_of(["small", "--world-size", "2", "--device", "cpu", "--host-gb", "64"])
+        plan_text_of(["small", "--world-size", "2", "--gpu", "cpu", "--host-gb", "64"])
     )
 
 

@@ -136,13 +136,13 @@ def test_llama_70b_on_8_nodes_of_8_a100_80gb_fits():
     """The issue's done-when point, as a user types it."""
     out = subprocess.run(
         [sys.executable, "-m", "pretrain", "plan", "--preset", "llama-70b", "--hostfile", str(A100X64),
-         "--device", "A100-80GB"],
+         "--gpu", "A100-80GB"],
         cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "layout: TP8 x PP4 x DP2 = 64 ranks" in text
-    assert "device memory 80.0 GB (--device: A100-80GB)" in text
+    assert "device memory 80.0 GB (--gpu: A100-80GB)" in text
     row = configured_row(text)
     assert row["stage"].startswith("*1 ")  # this config: ZeRO-1
     memory = float(row["device total"])
@@ -155,7 +155,7 @@ def test_llama_70b_on_8_nodes_of_8_a100_80gb_fits():
 
 
 def test_when_nothing_fits_the_layouts_that_do_are_listed_as_overrides(capsys):
-    args = ["llama-7b", "--hostfile", str(A100X16), "--device", "A100", "--device-gb", "24"]
+    args = ["llama-7b", "--hostfile", str(A100X16), "--gpu", "A100", "--gpu-gb", "24"]
     text = plan_text(capsys, *args, "--set", "parallel.pipeline=2")
     assert "Nothing fits TP1 x PP2 x DP8 on 24.0 GB devices. Layouts that fit, fastest first" in text
     listed = [line for line in text.split("Layouts that fit")[1].splitlines() if " --set " in line]
@@ -187,7 +187,7 @@ def test_when_nothing_fits_the_layouts_that_do_are_listed_as_overrides(capsys):
 )
 def test_the_llama_presets_fit_their_layout(preset, hostfile, layout, capsys):
     plan = json.loads(
-        plan_text(capsys, preset, "--hostfile", str(hostfile), "--device", "A100-80GB", "--json")
+        plan_text(capsys, preset, "--hostfile", str(hostfile), "--gpu", "A100-80GB", "--json")
     )
     cfg = build(preset)
     mine = next(s for s in plan["stages"] if s["stage"] == cfg.zero.stage and s["offload"] == "none")

@@ -73,7 +73,7 @@ def test_each_efficiency_is_the_mean_its_runs_imply_and_every_fitted_run_is_used
         assert e.value == pytest.approx(statistics.fmean(v for v in implied if v is not None), abs=0.005), e
     for name in used:  # each run sits in the GPU class and the size class it is used for
         run = RUNS[name]
-        device = run.args[run.args.index("--device") + 1]
+        device = run.args[run.args.index("--gpu") + 1]
         entry = next(e for e in FWD_BWD_EFFICIENCY if name in e.runs)
         assert gpu_class(device) == entry.gpu
         params = plan_params(run)
@@ -98,7 +98,7 @@ def plan_params(run) -> int:
 
 
 def test_a_plan_names_the_runs_its_efficiency_comes_from(capsys):
-    assert main(["plan", "llama-7b", "--world-size", "16", "--device", "A100-80GB"]) == 0
+    assert main(["plan", "llama-7b", "--world-size", "16", "--gpu", "A100-80GB"]) == 0
     text = capsys.readouterr().out
     assert "MFU of forward+backward 0.60 (A100, 3B to 30B parameters: from Megatron-LM GPT 18.4B" in text
     assert "see docs/plan.md" in text

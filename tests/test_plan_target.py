@@ -57,15 +57,15 @@ def test_a_hostfile_of_other_machines_without_a_device_line_says_it_plans_for_th
     note = next(line for line in text.splitlines() if line.startswith("note:"))
     assert "planning step time for this machine's device" in note
     assert f"{hostfile} does not say what its hosts are" in note
-    assert "--device" in note and "# pretrain: device=A100-80GB host-gb=1024" in note
+    assert "--gpu" in note and "# pretrain: device=A100-80GB host-gb=1024" in note
     # one machine's own hostfile needs no note, nor a named device
     local = tmp_path / "local"
     local.write_text("localhost slots=2\n")
     assert "note:" not in plan(capsys, "tiny", "--hostfile", str(local))
-    assert "note:" not in plan(capsys, "gpt2-124m", "--hostfile", str(hostfile), "--device", "A100-80GB",
+    assert "note:" not in plan(capsys, "gpt2-124m", "--hostfile", str(hostfile), "--gpu", "A100-80GB",
                                "--host-gb", "512")  # fmt: skip
     # the docs' single-node example: memory named, GPU not
-    assert "no --device names the GPU" in plan(capsys, "gpt2-124m", "--world-size", "16", "--device-gb", "80")
+    assert "no --gpu names the GPU" in plan(capsys, "gpt2-124m", "--world-size", "16", "--gpu-gb", "80")
 
 
 def test_the_device_line_is_read_and_every_bad_entry_named(tmp_path):
@@ -92,7 +92,7 @@ def test_the_device_line_is_read_and_every_bad_entry_named(tmp_path):
 
 
 def test_a_device_the_plan_cannot_size_is_refused_with_the_fix(tmp_path, capsys):
-    assert main(["plan", "gpt2-124m", "--device", "A100"]) == 2
+    assert main(["plan", "gpt2-124m", "--gpu", "A100"]) == 2
     assert "A100 does not say its memory" in capsys.readouterr().err
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# pretrain: device=B200-192GB\nnode-01 slots=8\n")
@@ -138,7 +138,7 @@ def test_the_zero_offload_papers_10b_model_fits_one_32gb_v100(capsys):
             "zero.offload_optimizer=true", "precision.bf16=false", "precision.fp16=true",
             "batch.micro_batch_size=4", "batch.gradient_accumulation_steps=1",
             "model.activation_checkpointing=true"]  # fmt: skip
-    args = ["gpt2-124m", "--device-gb", "32", "--host-gb", "1500", "--peak-tflops", "125", "--json"]
+    args = ["gpt2-124m", "--gpu-gb", "32", "--host-gb", "1500", "--peak-tflops", "125", "--json"]
     out = json.loads(plan(capsys, *args, *(f"--set={s}" for s in sets)))
     row = next(s for s in out["stages"] if s["stage"] == 2 and s["offload"] == "optimizer")
     assert row["model_states_gb"] == pytest.approx(2 * out["params"] / 1e9)
@@ -162,3 +162,17 @@ def test_when_nothing_fits_70b_the_plan_lists_layouts_that_do(capsys):
     assert "= 16384 sequences per step" in again.split("\n")[1]
     mine = configured_row(again)
     assert mine["fits"] == "yes" and mine["host fits"] == "yes"
+
+
+def test_plans_gpu_flags_keep_their_old_names_said_once(capsys):
+    """`--gpu`/`--gpu-gb` were `--device`/`--device-gb`, which `sample` uses for a torch device: the old
+    names still plan the same, with one note each; both names at odds are one error."""
+    new = plan(capsys, "gpt2-124m", "--world-size", "8", "--gpu", "A100", "--gpu-gb", "80")
+    assert main(["plan", "gpt2-124m", "--world-size", "8", "--device", "A100", "--device-gb", "80"]) == 0
+    out, err = capsys.readouterr()
+    assert out == new
+    assert err.count("note: plan --device is now --gpu") == 1 and "--device-gb is now --gpu-gb" in err
+    assert main(["plan", "gpt2-124m", "--device", "A100", "--gpu", "H100"]) == 2
+    err = capsys.readouterr().err
+    assert "--device A100 and --gpu H100: --device is --gpu's old name; give --gpu alone" in err
+    assert "Traceback" not in err

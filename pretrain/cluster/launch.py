@@ -123,7 +123,7 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
 # `# pretrain: key=value ...`: what the hostfile's hosts are (all alike), for `pretrain plan`.
 _TARGET_LINE = re.compile(r"^#\s*pretrain\s*:(.*)$")
 TARGET_KEYS = {
-    "device": "the accelerator of every host, as `plan --device` takes it (A100-80GB, H100, cpu)",
+    "device": "the accelerator of every host, as `plan --gpu` takes it (A100-80GB, H100, cpu)",
     "device-gb": "one accelerator's memory in GB (default: from the device's name)",
     "host-gb": "one host's memory in GB, for the offloaded states",
 }

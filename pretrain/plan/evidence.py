@@ -73,7 +73,7 @@ def _run(
     bytes `plan` counts in the communication time follow from the two (`memory.gradient_comm_bytes`)."""
     extra = _sets(f"deepspeed_extra={{communication_data_type: {comm}}}") if comm else ()
     return (
-        "--world-size", str(gpus), "--gpus-per-node", str(min(gpus, per_node)), "--device", device,
+        "--world-size", str(gpus), "--gpus-per-node", str(min(gpus, per_node)), "--gpu", device,
         *_sets(
             f"batch.micro_batch_size={micro}", f"batch.gradient_accumulation_steps={accumulation}",
             f"zero.stage={stage}", "zero.offload_optimizer=false", "zero.offload_param=false",

@@ -27,20 +27,20 @@ class Planned:
 
 def plan_of(run: PublishedRun) -> tuple[RunConfig, Target, Rates]:
     """The config, target and rates `pretrain plan RUN.args` plans with (the arguments a run uses:
-    a preset, `--set`, `--world-size`, `--gpus-per-node`, `--device`)."""
+    a preset, `--set`, `--world-size`, `--gpus-per-node`, `--gpu`)."""
     preset, rest = run.args[0], list(run.args[1:])
     flags: dict[str, str] = {}
     sets: list[str] = []
     for flag, value in zip(rest[::2], rest[1::2], strict=True):
         if flag == "--set":
             sets.append(value)
-        elif flag in ("--world-size", "--gpus-per-node", "--device"):
+        elif flag in ("--world-size", "--gpus-per-node", "--gpu"):
             flags[flag] = value
         else:
             raise ValueError(f"{run.name}: {flag} is not an argument a published run takes")
-    world, per_node, device = int(flags["--world-size"]), int(flags["--gpus-per-node"]), flags["--device"]
+    world, per_node, device = int(flags["--world-size"]), int(flags["--gpus-per-node"]), flags["--gpu"]
     cfg = build(preset, overrides=sets, world_size=world)
-    to = Target(world, per_node, gpu_memory_gb(device), f"--device: {device}", host_memory_gb())
+    to = Target(world, per_node, gpu_memory_gb(device), f"--gpu: {device}", host_memory_gb())
     return cfg, to, resolve_rates(cfg, world, per_node, device=device)
 
 

@@ -95,7 +95,7 @@ def _peak(
         return given, "--peak-tflops"
     if device not in (None, "cpu"):
         table = gpu_peak_tflops(str(device), cfg.precision.name, tf32=cfg.precision.tf32)
-        named_by = f"{device_src}: device={device}" if device_src else f"--device {device}"
+        named_by = f"{device_src}: device={device}" if device_src else f"--gpu {device}"
         if table is None:
             raise ConfigError([f"{named_by}: not in the peak table ({', '.join(GPU_PEAK_TFLOPS)})"], "plan")
         return table, f"{device} datasheet{_tf32_said(precision=cfg.precision)}" + (

@@ -50,7 +50,7 @@ def default_device_gb(world: int) -> tuple[float | None, str]:
         return props.total_memory / GB, f"{props.name}"
     total = host_memory_gb()
     if total is None:
-        return None, "unknown (pass --device-gb)"
+        return None, "unknown (pass --gpu-gb)"
     return total / world, f"host RAM {total:.1f} GB / {world} CPU ranks"
 
 
@@ -168,7 +168,7 @@ def plan_target(
     hosts are other machines (`remote`)."""
     named = device or (str(target["device"]) if "device" in target else None)
     memory, source = _device_memory(
-        named, target, where, world, given=device_gb, named_by="--device" if device else where
+        named, target, where, world, given=device_gb, named_by="--gpu" if device else where
     )
     if host_gb:
         host: float | None = host_gb
@@ -191,11 +191,11 @@ def _device_memory(
     given: float | None,
     named_by: str,
 ) -> tuple[float | None, str]:
-    """A rank's device memory in GB and where it came from: --device-gb, the hostfile's device-gb, the
+    """A rank's device memory in GB and where it came from: --gpu-gb, the hostfile's device-gb, the
     device's name, else this machine's (`default_device_gb`)."""
     named = gpu_memory_gb(device) if device and device != "cpu" else None
     if given:
-        return given, "--device-gb"
+        return given, "--gpu-gb"
     if "device-gb" in target:
         return float(target["device-gb"]), f"{where}: device-gb"
     if named is not None:
@@ -203,7 +203,7 @@ def _device_memory(
     if device and device != "cpu":
         raise ConfigError(
             [f"{named_by}: {device} does not say its memory (an A100 comes in 40 and 80 GB): name it as "
-             f"{device}-80GB, or pass --device-gb"], "plan",
+             f"{device}-80GB, or pass --gpu-gb"], "plan",
         )  # fmt: skip
     return default_device_gb(world)
 
@@ -220,10 +220,10 @@ def _target_note(
 ) -> str:
     """What the plan could not know about its target, and the flag or hostfile line that tells it."""
     if device is None and peak_tflops is None and (remote or (not hostfile and device_gb)):
-        said = f"{hostfile} does not say what its hosts are" if remote else "no --device names the GPU"
+        said = f"{hostfile} does not say what its hosts are" if remote else "no --gpu names the GPU"
         return (
-            f"planning step time for this machine's device, and memory for {device_src}: {said}. Pass --device "
-            "(e.g. --device A100-80GB --host-gb 1024)"
+            f"planning step time for this machine's device, and memory for {device_src}: {said}. Pass --gpu "
+            "(e.g. --gpu A100-80GB --host-gb 1024)"
             + (
                 ", or add a line '# pretrain: device=A100-80GB host-gb=1024' to the hostfile."
                 if remote
