@@ -38,6 +38,7 @@ from pretrain.cli_values import (
     seed,
     stop,
 )
+from pretrain.cluster import environment
 from pretrain.cluster.launch import (
     env_file_text,
     format_hostfile,
@@ -731,6 +732,9 @@ def cmd_hostfile(args: argparse.Namespace) -> int:
     return 0
 
 
+# The commands that import DeepSpeed (or start ranks that do): the environment it reads is checked first.
+DEEPSPEED_COMMANDS = {"train", "render", "convert", "export", "sample", "preflight", "plan"}
+
 COMMANDS = {
     "train": cmd_train,
     "prepare": cmd_prepare,
@@ -764,6 +768,8 @@ def main(argv: list[str] | None = None) -> int:
     args.unknown = unknown
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `train` passes its own on to the ranks
     try:
+        if args.command in DEEPSPEED_COMMANDS:
+            environment.check()
         return COMMANDS[args.command](args)
     except PretrainError as e:
         # A person's mistake, or the machine's (a full disk): one message, no traceback. Raised on
