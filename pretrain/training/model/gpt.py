@@ -89,20 +89,20 @@ def document_mask(pos: Tensor, dtype: torch.dtype) -> Tensor:
     return mask[:, None]  # (B, 1, T, T): one mask for every head
 
 
-def document_block_mask(pos: Tensor) -> BlockMask:
+def document_block_mask(pos: Tensor, *, compiled: bool | None = None) -> BlockMask:
     """FlexAttention's block mask of document positions `pos` (B, T), the rule of `document_mask`: for
     each (query block, key block) of 128 x 128 whether it is empty, full or partial, as int32 counts and
     indices (B, 1, T/128[, T/128]); `same_document` decides a partial block's pairs inside the kernel.
-    One for every head (H = None), so a tensor rank applies it to its share of the heads."""
+    One for every head (H = None), so a tensor rank applies it to its share of the heads. Built under
+    torch.compile (`compiled`; None: on CUDA), which evaluates the rule block by block; eagerly it is
+    evaluated on all (B, T, T) pairs at once, a transient of about 8 bytes a pair, freed at once."""
     B, T = pos.shape
     start = torch.arange(T, device=pos.device) - pos  # (B, T): the first token of each query's document
 
     def same_document(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return (kv <= q) & (start[b, q] <= kv)
 
-    # On CUDA compiled, which evaluates the rule block by block; eagerly it is evaluated on all (B, T, T)
-    # pairs at once, a transient of about 8 bytes a pair, freed before the first layer.
-    build = fused(create_block_mask) if pos.is_cuda else create_block_mask
+    build = fused(create_block_mask) if (pos.is_cuda if compiled is None else compiled) else create_block_mask
     return build(same_document, B, None, T, T, device=pos.device)
 
 
