@@ -16,7 +16,7 @@ from pretrain.config.ds_read import tree_from_deepspeed
 from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
 from pretrain.config.loading import deep_merge
 from pretrain.config.presets import PRESETS, build
-from pretrain.config.tree import RunConfig, validate
+from pretrain.config.tree import InitFromConfig, RunConfig, validate
 from pretrain.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -413,3 +413,17 @@ def test_a_sections_own_problem_and_one_across_sections_are_listed_together():
     with pytest.raises(ConfigError) as e:
         build("tiny", overrides=["model.n_layer=0", "parallel.tensor=3"])
     assert len(e.value.problems) == 1 and e.value.problems[0].startswith("model.n_layer")
+
+
+def test_the_run_banner_names_the_model_it_trains():
+    """The preset's model by the preset's name; a changed model as the run's own; init_from by its
+    directory (the banner said `tiny:` for all three)."""
+    from pretrain.training.run import _model_name
+
+    assert _model_name(build(preset="tiny", overrides=["model.vocab_size=77"])) == "tiny preset"
+    assert _model_name(build(preset="tiny", overrides=["model.n_layer=3"])) == (
+        "own model (gpt2, from the tiny preset's defaults)"
+    )
+    cfg = build(preset="tiny")
+    cfg.model.init_from = InitFromConfig(path="/models/llama-local")
+    assert _model_name(cfg) == "llama-local (model.init_from)"

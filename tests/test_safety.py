@@ -338,6 +338,14 @@ def test_hostfile_slot_typos(tmp_path):
         assert len(err) < 1000
 
 
+def test_a_valid_hostfile_gets_a_verdict_and_stdout_stays_a_hostfile(tmp_path):
+    (tmp_path / "h").write_text("node-01 slots=8  # the first\nnode-02 slots=8\n")
+    done = cli("hostfile", str(tmp_path / "h"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "node-01 slots=8\nnode-02 slots=8\n"
+    assert done.stderr.strip() == f"{tmp_path / 'h'}: 2 hosts, 16 slots, valid"
+
+
 def test_run_record_is_json(small_run):
     assert json.loads((small_run / "versions.json").read_text())["argv"]
     assert (small_run / ".lock").read_text().startswith("host ")

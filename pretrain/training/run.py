@@ -16,6 +16,7 @@ import torch
 
 from pretrain.config.ds_render import check_with_deepspeed, render_deepspeed
 from pretrain.config.layout import Layout, layout_of
+from pretrain.config.presets import PRESETS
 from pretrain.config.tree import ModelConfig, RunConfig, analytic_num_params
 from pretrain.data.dataset import TOKENIZER_FILE, Dataset, open_datasets, resolve_vocab
 from pretrain.data.loader import ShardedLoader
@@ -259,7 +260,7 @@ def _banner(run: Run) -> str:
     n_train = sum(d.n_tokens("train") for d in run.datasets)
     n_val = sum(d.n_tokens("val") for d in run.datasets)
     return (
-        f"{cfg.preset}: {analytic_num_params(cfg.model) / 1e6:.2f}M params, {cfg.model.n_layer} layers, "
+        f"{_model_name(cfg)}: {analytic_num_params(cfg.model) / 1e6:.2f}M params, {cfg.model.n_layer} layers, "
         f"{cfg.precision.name}, ZeRO-{lay.zero_stage}{' + offload' if lay.offload_optimizer else ''}, "
         f"{layout}world size {world}\n"
         f"batch {b.micro_batch_size} x {b.gradient_accumulation_steps} x {b.data_parallel_size} = "
@@ -267,6 +268,18 @@ def _banner(run: Run) -> str:
         f"data {run.datasets[0].dir}: {n_train:,} train / {n_val:,} val tokens, vocab {run.tokenizer.vocab_size}\n"
         f"run dir {cfg.run_dir()}"
     )
+
+
+def _model_name(cfg: RunConfig) -> str:
+    """What the banner calls the model: the Hugging Face model it starts from, the preset's model, or
+    the run's own (a preset's name alone said `tiny` for a model that was not the tiny preset's)."""
+    if cfg.model.init_from is not None:
+        return f"{Path(cfg.model.init_from.path).name} (model.init_from)"
+    preset = PRESETS.get(cfg.preset, {}).get("model")
+    own = cfg.model.model_dump(exclude={"vocab_size"})  # the vocab comes from the data
+    if preset is not None and ModelConfig.model_validate(preset).model_dump(exclude={"vocab_size"}) == own:
+        return f"{cfg.preset} preset"
+    return f"own model ({cfg.model.arch}, from the {cfg.preset} preset's defaults)"
 
 
 def _budget(cfg: RunConfig) -> str:

@@ -106,7 +106,7 @@ def locate(
     """The one way every reader (resume, convert, export, sample, preflight) turns what a person
     names into a checkpoint directory it may read: a checkpoint (`step_N`, `step_N/universal`) whose
     files `check` finds sound, or the newest sound one of a checkpoints or run directory. `check`
-    defaults to every file against the manifest in this process (sizes, and sha256 with
+    defaults to every file against the manifest in this process (sizes, and BLAKE3 digests with
     `checksums`)."""
     if check is None:
         check = partial(verify, checksums=checksums)
