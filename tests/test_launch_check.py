@@ -397,3 +397,23 @@ def test_raw_deepspeed_launcher_on_a_taken_port_is_one_message(taken_port, tmp_p
     assert f"`ss -ltnp 'sport = :{taken_port}'`" in errors[0]
     assert took < 60, took  # it fails at init, before the data or the model
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(
+    shutil.which("unshare") is None, reason="needs util-linux's unshare (a network namespace)"
+)
+def test_a_name_that_does_not_resolve_is_named_not_sshd():
+    """A host name with no address is the fix to give, not "start sshd". The lookup runs in a network
+    namespace of its own, with no route out, so no query leaves this machine."""
+    code = (
+        "from pretrain.cluster.reach import passwordless_fix as f; "
+        "print(f('node-01.invalid')); print(f('127.0.0.2'))"
+    )
+    out = subprocess.run(["unshare", "--net", sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, env=subprocess_env(), timeout=60)  # fmt: skip
+    if out.returncode != 0 and "unshare" in out.stderr:
+        pytest.skip(f"needs root for a network namespace: {out.stderr.strip()}")
+    unresolved, resolved = out.stdout.splitlines()
+    assert unresolved.startswith("the name node-01.invalid does not resolve (")
+    assert "add it to /etc/hosts" in unresolved and "sshd" not in unresolved
+    assert resolved.startswith("start sshd on 127.0.0.2")

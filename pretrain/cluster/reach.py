@@ -75,7 +75,24 @@ def last_line(text: str) -> str:
     return lines[-1].strip() if lines else "no output"
 
 
+def resolve_error(host: str) -> str | None:
+    """Why `host` gives no address (the resolver's words), or None where it resolves."""
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as e:
+        return str(e.args[-1] if e.args else e)
+    return None
+
+
 def passwordless_fix(host: str) -> str:
+    """The fix for an ssh check that failed: the name first where it does not resolve (sshd is not the
+    problem then), else passwordless ssh to a running sshd."""
+    unresolved = None if host in LOCAL_HOSTS else resolve_error(host)
+    if unresolved:
+        return (
+            f"the name {host} does not resolve ({unresolved}: no address from DNS or /etc/hosts): give the "
+            f"host's resolvable name or address, or add it to /etc/hosts"
+        )
     if host in LOCAL_HOSTS:
         return (
             "set up passwordless ssh to this machine: ssh-keygen -t ed25519 -N '' -f ~/.ssh/id_ed25519 "
