@@ -399,9 +399,7 @@ def test_raw_deepspeed_launcher_on_a_taken_port_is_one_message(taken_port, tmp_p
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.skipif(
-    shutil.which("unshare") is None, reason="needs util-linux's unshare (a network namespace)"
-)
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs the system package util-linux (unshare)")
 def test_a_name_that_does_not_resolve_is_named_not_sshd():
     """A host name with no address is the fix to give, not "start sshd". The lookup runs in a network
     namespace of its own, with no route out, so no query leaves this machine."""
