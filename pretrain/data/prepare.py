@@ -1,12 +1,13 @@
 """Prepare a dataset: corpus → clean → dedup → tokenize → train/val shards + manifest.
 
-    documents (corpus.py) ─ workers: read, clean, hash, MinHash, tokenize ─┐
-                                                                          ├─ main: dedup in corpus
-    train_00000.bin ... val_00000.bin ◀─ ShardWriter ◀─ split by name ◀────┘  order, write shards
+    vocabulary (here, workers) ─ tasks.py: encode (workers) ─ exact ─ bands ─ clusters ─ write ─┐
+    train_00000.bin ... val_00000.bin, manifest last ◀── staging dir, swapped in whole ◀────────┘
 
-Worker processes (one per core, started by a fork server: workers.py) take chunks of input in order
-and send back tokens and hashes (encode.py); the main process keeps the first of each duplicate, so the output does not depend on the
-number of workers. Memory stays constant apart from the dedup indexes (see dedup.py). Like any
+The tokenizer is fitted here (a char vocabulary or a BPE from the corpus, in the worker processes
+of workers.py), then the stages of tasks.py build the shards: with data.tasks unset as one task
+each, in this process, the encode step's chunks spread over `data.workers` processes; with
+data.tasks as that many tasks on data.executor. Dedup keeps the first of each duplicate in corpus
+order, so the output depends on neither the number of workers nor the executor. Like any
 multiprocessing child, a worker imports the calling program's main module again: keep heavy
 imports out of a script's top level.
 
@@ -27,18 +28,15 @@ import itertools
 import os
 import shutil
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pretrain.config.tree import DataConfig
-from pretrain.data.chunks import Chunk, plan_tasks, read_chunk
-from pretrain.data.clean import Cleaner, CleanStats
+from pretrain.data.chunks import Chunk, plan_tasks
 from pretrain.data.dataset import (
     MANIFEST,
     MIN_VOCAB,
@@ -52,8 +50,8 @@ from pretrain.data.dataset import (
     too_small_vocab,
     write_manifest,
 )
-from pretrain.data.dedup import NEAR_DEDUP, ExactDedup, NearDedup
-from pretrain.data.encode import Encoded, Setup, chars_task, encode_task, init_worker, words_task
+from pretrain.data.dedup import NEAR_DEDUP
+from pretrain.data.encode import Setup, chars_task, init_worker, words_task
 from pretrain.data.fingerprint import (
     There,
     input_files,
@@ -62,8 +60,9 @@ from pretrain.data.fingerprint import (
     output_config,
     what_is_there,
 )
-from pretrain.data.report import Progress, format_report, manifest_report, split_warnings, stats_line
-from pretrain.data.shards import ShardInfo, ShardWriter, dtype_for_vocab
+from pretrain.data.report import Progress, format_report, no_document
+from pretrain.data.shards import dtype_for_vocab
+from pretrain.data.tasks import build, work_dir
 from pretrain.data.tokenizer import (
     BPE_RANKS_FILE,
     HF_TOKENIZER_FILE,
@@ -100,17 +99,6 @@ def _tasks(cfg: DataConfig) -> Iterator[list[Chunk]]:
     )
 
 
-@dataclass
-class _Held:
-    """The last kept document, written only once the next one comes: at the end it may have to
-    fill an empty split, or be the one document cut 90/10."""
-
-    split: str
-    tokens: np.ndarray
-    name: str
-    task: list[Chunk]
-
-
 def _task_bytes(task: list[Chunk]) -> int:
     return sum(c.input_bytes for c in task)
 
@@ -136,7 +124,7 @@ def _fit_tokenizer(
             progress.update(_task_bytes(task))
         progress.close()
         if not chars:
-            raise _no_document(cfg.corpus, total, "; nothing to fit a vocabulary on")
+            raise no_document(cfg.corpus, total, "; nothing to fit a vocabulary on")
         if len(chars) < MIN_VOCAB:
             raise DataError(too_small_vocab(f"{cfg.corpus}: would make", "char", len(chars), sorted(chars)))
         return CharTokenizer(sorted(chars))
@@ -159,170 +147,12 @@ def _fit_tokenizer(
     finally:
         words.close()  # stops the workers still busy past the training sample
     if not counts:
-        raise _no_document(cfg.corpus, total, "; nothing to train a BPE on")
+        raise no_document(cfg.corpus, total, "; nothing to train a BPE on")
     if log:
         log(
             f"training a {cfg.bpe_vocab_size}-token BPE on {n_chars:,} characters ({len(counts):,} distinct words)"
         )
     return BPETokenizer.train(counts, cfg.bpe_vocab_size)
-
-
-def _no_document(corpus: str, total: int | None, why: str) -> DataError:
-    """No document to tokenize: the corpus is empty (0 bytes), or cleaning and filtering left none."""
-    if total == 0:
-        return DataError(f"{corpus}: empty, 0 bytes; point data.corpus at files with text in them")
-    return DataError(f"{corpus}: no document left after cleaning and filtering{why}")
-
-
-def _encode(
-    cfg: DataConfig,
-    tok: Tokenizer,
-    workers: Workers,
-    setup: Setup,
-    staging: Path,
-    *,
-    log: Callable[[str], None] | None,
-    total: int | None = None,
-    own_val: str | None = None,
-) -> tuple[dict[str, list[ShardInfo]], dict[str, Any]]:
-    """Tokenize every task in the workers; here, in corpus order: dedup, split, write the shards.
-    `own_val`: the name of the dataset's own validation split, which is val (no split by hash)."""
-    clean = cfg.clean
-    dtype = dtype_for_vocab(tok.vocab_size)
-    writers = {s: ShardWriter(staging, s, dtype, shard_tokens=cfg.shard_tokens) for s in SPLITS}
-    exact = ExactDedup() if clean.exact_dedup else None
-    near = NearDedup(clean.near_dedup_threshold, clean.minhash_perms) if clean.near_dedup else None
-    stats = CleanStats()
-    t0, cpu0, worker_cpu = time.perf_counter(), time.process_time(), 0.0
-    progress = Progress("prepare", total, log)
-    largest = (0, "", "")  # tokens, name, split of the largest kept document
-    held: _Held | None = None
-    kept, bytes_out, doc_index = 0, 0, 0
-    results = workers.map(encode_task, setup, _tasks(cfg))
-    try:
-        for task, r in results:
-            stats.add(r.stats)
-            worker_cpu += r.cpu_s
-            idx = np.flatnonzero(_dedup(r, exact, near, doc_index=doc_index, stats=stats))
-            doc_index += len(r.names)
-            if idx.size:
-                kept += idx.size
-                bytes_out += int(r.sizes[idx].sum())
-                held = _write_kept(writers, r, idx, held, task)
-                largest = _largest(r, idx, largest)
-            progress.update(_task_bytes(task), kept)
-        if held is None:
-            raise _no_document(cfg.corpus, total, f" ({stats_line(stats)})")
-        notes = _write_last(cfg, tok, writers, held, kept=kept)
-        if own_val:
-            notes.insert(0, f"val is the dataset's own {own_val!r} split (data.val_fraction not used)")
-        shards = {s: writers[s].close() for s in SPLITS}
-    except BaseException:
-        for w in writers.values():
-            w.abort()
-        raise
-    finally:
-        results.close()  # stops the workers at once on an error
-        progress.close()
-    report = manifest_report(
-        stats,
-        clean,
-        kept=kept,
-        bytes_out=bytes_out,
-        notes=notes,
-        shards=shards,
-        seconds=time.perf_counter() - t0,
-    )
-    report["warnings"] = (
-        [] if own_val else split_warnings(cfg, tokens=report["tokens"], kept=kept, largest=largest)
-    )
-    # CPU seconds: tasks (in the workers, or here with none) and this process's own share.
-    main_cpu = time.process_time() - cpu0 - (worker_cpu if workers.n == 0 else 0.0)
-    report["cpu_seconds"] = {"tasks": round(worker_cpu, 3), "main": round(main_cpu, 3)}
-    report["workers"] = workers.n
-    report["dedup_index_bytes"] = exact.nbytes if exact else 0
-    return shards, report
-
-
-def _largest(r: Encoded, idx: np.ndarray, largest: tuple[int, str, str]) -> tuple[int, str, str]:
-    """The largest kept document so far, as (tokens, name, split): `largest`, or one of `idx` in r."""
-    i = int(idx[np.argmax(r.lengths[idx])])
-    if r.lengths[i] > largest[0]:
-        return (int(r.lengths[i]), r.names[i], "val" if r.is_val[i] else "train")
-    return largest
-
-
-def _dedup(
-    r: Encoded, exact: ExactDedup | None, near: NearDedup | None, *, doc_index: int, stats: CleanStats
-) -> np.ndarray:
-    """Which of a task's documents to keep: in corpus order, the first of each duplicate."""
-    keep = np.ones(len(r.names), dtype=bool)
-    for i in range(len(r.names)):
-        if exact is not None and exact.seen(int(r.hashes[i])):
-            stats.remove("exact_duplicate", int(r.sizes[i]))
-            keep[i] = False
-        elif (
-            near is not None
-            and r.signatures is not None
-            and r.has_shingles[i]
-            and near.seen(doc_index + i, r.signatures[i])
-        ):
-            stats.remove("near_duplicate", int(r.sizes[i]))
-            keep[i] = False
-    return keep
-
-
-def _write_kept(
-    writers: dict[str, ShardWriter], r: Encoded, idx: np.ndarray, held: _Held | None, task: list[Chunk]
-) -> _Held:
-    """Write the documents `idx` of a task to their splits, all but the last, which is held back
-    (the previously held one is written first); returns the one now held."""
-    ends = np.cumsum(r.lengths)
-    starts = ends - r.lengths
-    if held is not None:
-        writers[held.split].write(held.tokens, [held.tokens.size])
-    last = int(idx[-1])
-    rest = idx[:-1]
-    for split in SPLITS:
-        sel = rest[r.is_val[rest] == (split == "val")]
-        if sel.size and sel[-1] - sel[0] + 1 == sel.size:  # a run of documents: a view, no copy
-            writers[split].write(r.tokens[starts[sel[0]] : ends[sel[-1]]], r.lengths[sel])
-        elif sel.size:
-            writers[split].write(np.concatenate([r.tokens[starts[i] : ends[i]] for i in sel]), r.lengths[sel])
-    return _Held(
-        "val" if r.is_val[last] else "train", r.tokens[starts[last] : ends[last]], r.names[last], task
-    )
-
-
-def _write_last(
-    cfg: DataConfig, tok: Tokenizer, writers: dict[str, ShardWriter], held: _Held, *, kept: int
-) -> list[str]:
-    """Write the held last document where it fills a gap; returns notes for the report."""
-    if kept == 1:
-        # One document can't be split by document: cut it at (1 - val_fraction) of its
-        # characters instead, nanoGPT's recipe for tiny-shakespeare (first 90% train, last 10% val).
-        docs = (
-            doc for c in held.task for doc in read_chunk(c, cfg.text_field, Cleaner(cfg.clean), CleanStats())
-        )
-        text = next(d.text for d in docs if d.name == held.name)
-        cut = int(len(text) * (1 - cfg.val_fraction))
-        if not 0 < cut < len(text):
-            raise DataError(
-                f"{cfg.corpus}: its one document ({len(text)} characters) is too short to split into train and val"
-            )
-        eot = [] if tok.eot_token is None else [tok.eot_token]
-        dtype = dtype_for_vocab(tok.vocab_size)
-        for split, part in (("train", text[:cut]), ("val", text[cut:])):
-            ids = np.concatenate([tok.encode_array(part), np.array(eot, dtype=np.int64)]).astype(dtype)
-            writers[split].write(ids, [ids.size])
-        return ["one document: cut at characters into train and val"]
-    notes, split = [], held.split
-    other = "val" if split == "train" else "train"
-    if writers[other].n_docs == 0:
-        notes.append(f"no document hashed to {other}; the last one ({held.name}) went there")
-        split = other
-    writers[split].write(held.tokens, [held.tokens.size])
-    return notes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -574,15 +404,9 @@ def _build(
         setup = Setup(cfg.clean, cfg.text_field, cfg.seed, cfg.val_fraction)
         tok = _fit_tokenizer(cfg, workers, setup, log=log, total=inputs["bytes"])
         setup.tokenizer, setup.dtype = tok, dtype_for_vocab(tok.vocab_size).name
-        work = None
-        if cfg.tasks is None:
-            shards, report = _encode(
-                cfg, tok, workers, setup, staging, log=log, total=inputs["bytes"], own_val=own_val
-            )
-        else:
-            from pretrain.data.tasks import build  # datatrove and Ray only where asked for
-
-            shards, report, work = build(cfg, tok, setup, out=out, staging=staging, inputs=inputs, log=log)
+        shards, report, work = build(
+            cfg, tok, setup, out=out, staging=staging, inputs=inputs, workers=workers.n, log=log
+        )
         for warning in report["warnings"]:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         tok.save(staging / TOKENIZER_FILE)
@@ -593,10 +417,11 @@ def _build(
         with uninterrupted():  # the swap is two renames: never stopped between them
             replace_dir(staging, out)
             swapped.append(True)
-        if work is not None:  # the tasks' own files, kept until the dataset was in place
-            shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)  # the tasks' own files, kept until the dataset was in place
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if cfg.tasks is None:  # one host's tasks are not run again alone: nothing of a failed try is kept
+            shutil.rmtree(work_dir(out), ignore_errors=True)
 
 
 def prepare_and_report(data: DataConfig, *, source: str | None, workers: int | None, force: bool) -> int:

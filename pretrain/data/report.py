@@ -17,6 +17,7 @@ from pretrain.config.tree import CleanConfig, DataConfig
 from pretrain.data.clean import CleanStats
 from pretrain.data.dataset import SPLITS
 from pretrain.data.shards import ShardInfo
+from pretrain.errors import DataError
 from pretrain.files import format_bytes
 
 
@@ -93,6 +94,13 @@ def _eta(seconds: float) -> str:
     m, s = divmod(round(seconds), 60)
     h, m = divmod(m, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def no_document(corpus: str, total: int | None, why: str) -> DataError:
+    """No document to tokenize: the corpus is empty (0 bytes), or cleaning and filtering left none."""
+    if total == 0:
+        return DataError(f"{corpus}: empty, 0 bytes; point data.corpus at files with text in them")
+    return DataError(f"{corpus}: no document left after cleaning and filtering{why}")
 
 
 def split_warnings(

@@ -1,10 +1,13 @@
 """Prepare as many tasks (`data.tasks`): each stage a set of independent tasks that an executor runs
-(executors.py: this host's cores, Slurm or Ray), dedup global across all of them.
+(executors.py: this host's cores, Slurm or Ray), dedup global across all of them. With data.tasks
+unset, one task of each stage runs in this process, its encode step's chunks spread over
+`data.workers` processes (workers.py), and the shards keep one host's names (`train_00000.bin`).
 
     plan (here) ─ encode ─ exact ─ bands ─ clusters ─ write ─ here: shards moved in, manifest
 
 - plan: the corpus in corpus order, cut into units (a chunk, or a compressed file that its task
-  decompresses itself), dealt out to `tasks` runs of about equal input bytes, one file per task.
+  decompresses itself), dealt out to `tasks` runs of about equal input bytes, one file per task
+  (one host: every input file, which its task cuts into chunks itself).
 - encode (one task per run): read, clean, split, hash, MinHash and tokenize, as one host's workers
   do (encode.py); the tokens and a table of each document go to the task's directory.
 - exact (as many tasks as runs): the hashes by hash % tasks; in each part, every document whose hash
@@ -12,8 +15,8 @@
 - bands (as many tasks as runs): each MinHash band, by its first value % parts (bands x parts at
   least the tasks), sorted: the buckets holding two or more documents that exact dedup kept.
 - clusters (one task): in corpus order, a document is a near duplicate when a bucket it is in holds
-  an earlier document that was kept. That is what one host's MinHashLSH query over the kept
-  documents decides (dedup.py), so the kept set is the same for any number of tasks.
+  an earlier document that was kept. That is what datasketch's MinHashLSH, queried and filled with
+  the kept documents in corpus order, decides, so the kept set is the same for any number of tasks.
 - write (one task per run): the kept documents of each run into its own shards, `train_tNNNNN_*`.
 
 Every task writes into a directory of its own and renames it into place when it is whole, so a
@@ -21,11 +24,12 @@ task that dies leaves nothing a later stage reads, and one run again writes the 
 work directory sits beside the dataset (`.NAME.tasks`) and outlives a failed or stopped prepare:
 the same command again runs only the tasks that did not finish. It is named by what it builds
 (config, inputs, tokenizer, tasks): a prepare of anything else starts it afresh. Once the dataset
-is swapped in, it goes.
+is swapped in, it goes (one host's also when the prepare fails or is stopped: prepare.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -33,18 +37,19 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
 from pretrain.config.tree import DataConfig
-from pretrain.data.chunks import Chunk, file_chunks, read_chunk
+from pretrain.data.chunks import Chunk, file_chunks, plan_tasks, read_chunk
 from pretrain.data.clean import Cleaner, CleanStats
 from pretrain.data.dataset import SPLITS
-from pretrain.data.encode import Setup, encode_task, init_worker
+from pretrain.data.encode import Setup, encode_task
 from pretrain.data.fingerprint import input_files, output_config
+from pretrain.data.report import Progress, manifest_report, no_document, split_warnings, stats_line
 from pretrain.data.shards import ShardInfo, ShardWriter, dtype_for_vocab
 from pretrain.data.tokenizer import Tokenizer
 from pretrain.data.workdir import (
@@ -65,6 +70,7 @@ from pretrain.data.workdir import (
     task_dir,
     work_dir,
 )
+from pretrain.data.workers import Workers
 from pretrain.errors import DataError
 
 WORK_VERSION = 2  # 2: hand-offs as checked JSON and .npy, no pickle
@@ -102,12 +108,16 @@ def _fault(job: Job, stage: str, rank: int) -> None:
 
 def plan(cfg: DataConfig, work: Path, total_bytes: int) -> None:
     """Deal the corpus out to cfg.tasks runs of about equal input bytes, in corpus order: one list
-    of units per task (`plan/tNNNNN.json`), written as the corpus is walked."""
-    assert cfg.tasks is not None
-    tasks, done = cfg.tasks, work / "plan" / "done"
+    of units per task (`plan/tNNNNN.json`), written as the corpus is walked. With data.tasks unset,
+    the one task's units are the input files, not walked here."""
+    tasks, done = cfg.tasks or 1, work / "plan" / "done"
     if done.is_file():
         return
     (work / "plan").mkdir(exist_ok=True)
+    if cfg.tasks is None:
+        save_units(work / "plan" / "t00000.json", [Unit(file=f) for f in input_files(cfg)])
+        done.touch()
+        return
     if not total_bytes:  # not known from the fingerprint: walk the corpus once more
         total_bytes = sum(size for _, size in _units(cfg))
     units: list[Unit] = []
@@ -148,8 +158,16 @@ def _units(cfg: DataConfig) -> Iterator[tuple[Unit, int]]:
             yield Unit(chunks=(chunk,)), chunk.input_bytes
 
 
-def _chunk_lists(cfg_bytes: tuple[int, int, str], units: list[Unit]) -> Iterator[list[Chunk]]:
-    chunk_bytes, text_split_bytes, text_field = cfg_bytes
+def _chunk_lists(job: Job, units: list[Unit]) -> Iterator[list[Chunk]]:
+    """A run's chunks, in corpus order: a unit's chunk, or a file's chunks one by one (one host:
+    grouped into worker tasks of about chunk_bytes, as the vocabulary passes group them)."""
+    chunk_bytes, text_split_bytes, text_field = job.chunking
+    if job.one_host:
+        files = (u.file for u in units if u.file is not None)
+        yield from plan_tasks(
+            files, chunk_bytes=chunk_bytes, text_split_bytes=text_split_bytes, text_field=text_field
+        )
+        return
     for unit in units:
         if unit.file is None:
             yield list(unit.chunks)
@@ -179,6 +197,10 @@ class Job:
     shard_tokens: int
     dtype: str  # the tokens'
     fault: str | None = None  # PRETRAIN_FAULT_KILL_TASK
+    one_host: bool = (
+        False  # data.tasks unset: one task of each stage, in this process; one host's shard names
+    )
+    workers: int = 0  # worker processes the encode task spreads its chunks over (workers.py); 0: in its own
 
     @property
     def root(self) -> Path:
@@ -204,7 +226,7 @@ class Job:
         return load_npy(path) if path.is_file() else np.empty(0, dtype=np.int64)
 
 
-def make_job(cfg: DataConfig, work: Path, setup: Setup) -> Job:
+def make_job(cfg: DataConfig, work: Path, setup: Setup, *, workers: int = 0) -> Job:
     clean = cfg.clean
     hashranges: tuple[tuple[int, int], ...] = ()
     if clean.near_dedup:
@@ -212,21 +234,24 @@ def make_job(cfg: DataConfig, work: Path, setup: Setup) -> Job:
 
         lsh = MinHashLSH(threshold=clean.near_dedup_threshold, num_perm=clean.minhash_perms)
         hashranges = tuple((int(a), int(b)) for a, b in lsh.hashranges)
-    assert cfg.tasks is not None
+    tasks = cfg.tasks or 1
     bands = max(len(hashranges), 1)
-    save_setup(work, setup)
+    if cfg.tasks is not None:  # one host's encode step is given it here (Encode.setup)
+        save_setup(work, setup)
     return Job(
         work=str(work),
-        tasks=cfg.tasks,
+        tasks=tasks,
         chunking=(cfg.chunk_bytes, cfg.text_split_bytes, cfg.text_field),
         exact=clean.exact_dedup,
         near=clean.near_dedup,
         perms=clean.minhash_perms,
         hashranges=hashranges,
-        parts=-(-cfg.tasks // bands),
+        parts=-(-tasks // bands),
         shard_tokens=cfg.shard_tokens,
         dtype=setup.dtype,
         fault=os.environ.get(FAULT_KILL),
+        one_host=cfg.tasks is None,
+        workers=workers if cfg.tasks is None else 0,
     )
 
 
@@ -256,23 +281,31 @@ _TABLE = ("lengths", "sizes", "is_val", "hashes", "has_shingles")
 
 @dataclass(frozen=True)
 class Encode(_Task):
+    """A run's documents read, cleaned, hashed and tokenized, chunk by chunk in corpus order (in
+    job.workers processes, or here). One host's, run in this process, is given the setup (not read
+    back from the work directory) and `read(bytes)`, told of each chunk's input bytes (the progress)."""
+
     stage: ClassVar[str] = "encode"
+    setup: Setup | None = field(default=None, compare=False)
+    read: Callable[[int], None] | None = field(default=None, compare=False)
 
     def build(self, tmp: Path, rank: int, world_size: int) -> None:
         job = self.job
         units = load_units(job.root / "plan" / f"t{rank:05d}.json")
-        init_worker(job.setup())
         table: dict[str, list[np.ndarray]] = {k: [] for k in _TABLE}
         stats, cpu = CleanStats(), 0.0
+        results = Workers(job.workers).map(encode_task, self.setup or job.setup(), _chunk_lists(job, units))
         with (
             open(tmp / "tokens.bin", "wb") as tokens,
             open(tmp / "sig.bin", "wb") as sig,
             open(tmp / "names.jsonl", "w") as names,
+            contextlib.closing(results),  # stops the workers at once on an error
         ):
-            for i, chunks in enumerate(_chunk_lists(job.chunking, units)):
+            for i, (chunks, r) in enumerate(results):
                 if i == 1:
                     _fault(job, "encode", rank)
-                r = encode_task(chunks)
+                if self.read is not None:
+                    self.read(sum(c.input_bytes for c in chunks))
                 stats.add(r.stats)
                 cpu += r.cpu_s
                 names.writelines(json.dumps(name) + "\n" for name in r.names)
@@ -471,7 +504,8 @@ def _write_run(
     starts = ends - lengths
     shards = {}
     for split in SPLITS:
-        writer = ShardWriter(tmp, f"{split}_t{rank:05d}", dtype, shard_tokens=job.shard_tokens)
+        prefix = split if job.one_host else f"{split}_t{rank:05d}"
+        writer = ShardWriter(tmp, prefix, dtype, shard_tokens=job.shard_tokens)
         sel = np.flatnonzero(keep & (is_val == (split == "val")))
         # Batches of about _WRITE_TOKENS tokens (a longer document alone): memory flat in the run's size.
         cut = np.flatnonzero(np.diff(np.cumsum(lengths[sel]) // _WRITE_TOKENS)) + 1
@@ -543,7 +577,7 @@ def text_of(job: Job, doc: int, clean: Any) -> str:
     t, i = run_of(job, doc)
     units = load_units(job.root / "plan" / f"t{t:05d}.json")
     cleaner, seen = Cleaner(clean), 0
-    for chunks in _chunk_lists(job.chunking, units):
+    for chunks in _chunk_lists(job, units):
         for c in chunks:
             for d in read_chunk(c, job.chunking[2], cleaner, CleanStats()):
                 if seen == i:
@@ -596,13 +630,15 @@ def largest_named(job: Job, kept: Kept) -> tuple[int, str, str]:
     return tokens, name_of(job, doc), "val" if bool(job.docs(t, "is_val")[i]) else "train"
 
 
-def one_document(job: Job, doc: int, clean: Any, tok: Tokenizer, val_fraction: float, staging: Path) -> dict:
-    """The one kept document, cut at (1 - val_fraction) of its characters into train and val, as
-    one host's prepare does."""
-    text = text_of(job, doc, clean)
-    cut = int(len(text) * (1 - val_fraction))
+def one_document(job: Job, doc: int, cfg: DataConfig, tok: Tokenizer, staging: Path) -> dict:
+    """The one kept document, cut at (1 - val_fraction) of its characters into train and val:
+    nanoGPT's recipe for tiny-shakespeare (first 90% train, last 10% val)."""
+    text = text_of(job, doc, cfg.clean)
+    cut = int(len(text) * (1 - cfg.val_fraction))
     if not 0 < cut < len(text):
-        raise DataError(f"its one document ({len(text)} characters) is too short to split into train and val")
+        raise DataError(
+            f"{cfg.corpus}: its one document ({len(text)} characters) is too short to split into train and val"
+        )
     eot = [] if tok.eot_token is None else [tok.eot_token]
     dtype = dtype_for_vocab(tok.vocab_size)
     shards = {}
@@ -624,7 +660,7 @@ class Timer:
 
 
 # ---------------------------------------------------------------------------------------------
-# The driver: every stage on data.executor, then the shards and the report for the manifest
+# The driver: every stage on data.executor (one host: here), then the shards and the report
 
 
 def build(
@@ -635,31 +671,97 @@ def build(
     out: Path,
     staging: Path,
     inputs: dict[str, Any],
+    workers: int = 0,
     log: Callable[[str], None] | None,
 ) -> tuple[dict[str, list[ShardInfo]], dict[str, Any], Path]:
     """Run the stages (each task not already done by an earlier try) and move the written shards
     into `staging`; returns them, the report and the work directory (removed by the caller once
     the dataset is in place). The report holds nothing of how or where the tasks ran, so the
-    manifest is the same on every executor."""
-    from pretrain.data.executors import run_stage
-    from pretrain.data.report import manifest_report, split_warnings
-
-    assert cfg.tasks is not None
+    manifest is the same on every executor; one host's (data.tasks unset: each stage's one task
+    here, the encode step's chunks in `workers` processes, with the "prepare" progress) also holds
+    its seconds, workers, CPU seconds and the exact stage's index bytes, as it always did."""
+    t0, cpu0 = time.perf_counter(), time.process_time()
     work = work_dir(out)
     open_work(work, work_key(cfg, inputs, tok))
-    timer = Timer(log)
     plan(cfg, work, int(inputs.get("bytes") or 0))
-    job = make_job(cfg, work, setup)
-    logs = work / "logs"
-    run_stage(cfg, logs / "encode", "encode", Encode(job), job.tasks, log=log)
+    job = make_job(cfg, work, setup, workers=workers)
+    progress = Progress("prepare", inputs.get("bytes"), log) if job.one_host else None
+    try:
+        shards, kept, notes = _stages(
+            cfg, job, tok, setup, staging, progress, total=inputs.get("bytes"), log=log
+        )
+        if progress is not None:
+            progress.update(0, sum(kept.per_run))
+    finally:
+        if progress is not None:
+            progress.close()
+    own_val = (inputs.get("val") or {}).get("split")
+    if own_val:
+        notes.insert(0, f"val is the dataset's own {own_val!r} split (data.val_fraction not used)")
+    stats, task_cpu = run_stats(job)
+    count_removed(job, stats)
+    kept_n = sum(kept.per_run)
+    report = manifest_report(
+        stats,
+        cfg.clean,
+        kept=kept_n,
+        bytes_out=kept.bytes_out,
+        notes=notes,
+        shards=shards,
+        seconds=time.perf_counter() - t0,
+    )
+    report["warnings"] = (
+        []
+        if own_val
+        else split_warnings(cfg, tokens=report["tokens"], kept=kept_n, largest=largest_named(job, kept))
+    )
+    if job.one_host:
+        # CPU seconds: the encode step's (in the workers, or here with none) and this process's own share.
+        main_cpu = time.process_time() - cpu0 - (task_cpu if job.workers == 0 else 0.0)
+        report["cpu_seconds"] = {"tasks": round(task_cpu, 3), "main": round(main_cpu, 3)}
+        report["workers"] = job.workers
+        # the exact stage's hashes and document indexes, all in memory at once here (one part of all)
+        report["dedup_index_bytes"] = 16 * int(job.offsets()[-1]) if job.exact else 0
+    else:
+        del report["seconds"]  # of this try, not of the dataset: the log says it
+        report["tasks"] = cfg.tasks
+    return shards, report, work
+
+
+def _stages(
+    cfg: DataConfig,
+    job: Job,
+    tok: Tokenizer,
+    setup: Setup,
+    staging: Path,
+    progress: Progress | None,
+    *,
+    total: int | None,
+    log: Callable[[str], None] | None,
+) -> tuple[dict[str, list[ShardInfo]], Kept, list[str]]:
+    """encode, exact, bands, clusters and write, each on data.executor (one host: here); the shards
+    moved into `staging`, what was kept, and the notes for the report."""
+    timer = Timer(None if job.one_host else log)
+    logs = job.root / "logs"
+
+    def stage(name: str, step: Callable[[int, int], None], tasks: int) -> None:
+        if job.one_host:  # one task, run here: no executor's log or marker to keep
+            step(0, 1)
+            return
+        from pretrain.data.executors import run_stage  # datatrove, and Ray, only for data.tasks
+
+        run_stage(cfg, logs / name, name, step, tasks, log=log)
+
+    encode = Encode(job, setup, progress.update) if progress is not None else Encode(job)
+    stage("encode", encode, job.tasks)
     write_offsets(job)
-    timer.say(f"encoded {cfg.tasks} tasks")
+    timer.say(f"encoded {job.tasks} tasks")
     if job.exact:
-        run_stage(cfg, logs / "exact", "exact", Exact(job), job.tasks, log=log)
+        stage("exact", Exact(job), job.tasks)
         gather_removed(job, "exact", job.tasks, "exact_removed")
     if job.near:
-        run_stage(cfg, logs / "bands", "bands", Bands(job), job.tasks, log=log)
-        run_stage(cfg, logs / "clusters", "clusters", Clusters(job), 1, log=log)
+        stage("bands", Bands(job), job.tasks)
+        stage("clusters", Clusters(job), 1)
         gather_removed(job, "clusters", 1, "near_removed")
     if job.exact or job.near:
         timer.say("deduplicated across every task")
@@ -667,12 +769,10 @@ def build(
     if kept.last is None:
         stats, _ = run_stats(job)
         count_removed(job, stats)
-        from pretrain.data.report import stats_line
-
-        raise DataError(f"{cfg.corpus}: no document left after cleaning and filtering ({stats_line(stats)})")
+        raise no_document(cfg.corpus, total, f" ({stats_line(stats)})")
     notes: list[str] = []
     if sum(kept.per_run) == 1:
-        shards = one_document(job, kept.last, cfg.clean, tok, cfg.val_fraction, staging)
+        shards = one_document(job, kept.last, cfg, tok, staging)
         notes.append("one document: cut at characters into train and val")
     else:
         moved = None
@@ -682,23 +782,7 @@ def build(
             notes.append(
                 f"no document hashed to {other}; the last one ({name_of(job, kept.last)}) went there"
             )
-        run_stage(cfg, logs / "write", "write", Write(job, moved), job.tasks, log=log)
+        stage("write", Write(job, moved), job.tasks)
         shards = written_shards(job, staging)
-    own_val = (inputs.get("val") or {}).get("split")
-    if own_val:
-        notes.insert(0, f"val is the dataset's own {own_val!r} split (data.val_fraction not used)")
-    stats, _cpu = run_stats(job)
-    count_removed(job, stats)
-    kept_n = sum(kept.per_run)
-    report = manifest_report(
-        stats, cfg.clean, kept=kept_n, bytes_out=kept.bytes_out, notes=notes, shards=shards, seconds=0
-    )
-    del report["seconds"]  # of this try, not of the dataset: the log says it
-    report["tasks"] = cfg.tasks
-    report["warnings"] = (
-        []
-        if own_val
-        else split_warnings(cfg, tokens=report["tokens"], kept=kept_n, largest=largest_named(job, kept))
-    )
     timer.say(f"wrote {sum(len(s) for s in shards.values())} shards")
-    return shards, report, work
+    return shards, kept, notes
