@@ -4,7 +4,7 @@ a run continues from and loading it: resume.py; the universal conversion: univer
 A checkpoint is `engine.save_checkpoint` under a temporary tag (`.tmp-step_NNNNNNNN`), on every
 rank. Each rank records, fsyncs and hashes the files it wrote; rank 0 then adds a copy of the
 tokenizer and `pretrain_meta.json` (the client state without the RNG states, plus a manifest of
-every file with its size and sha256), renames the directory to `step_NNNNNNNN`, and only then
+every file with its size and BLAKE3 digest), renames the directory to `step_NNNNNNNN`, and only then
 rewrites `latest` (write + rename). A save killed at any moment leaves a `.tmp-` directory that is
 never picked (and is removed at the next start), or a complete checkpoint newer than `latest`,
 which is ignored too: the previous checkpoint stays the one `--resume auto` picks.
