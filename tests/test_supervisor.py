@@ -5,6 +5,7 @@ leaves the previous checkpoint in charge; SIGTERM reaches the ranks, which save 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 
@@ -193,11 +194,17 @@ def test_a_rank_killed_is_named_by_the_rank_that_lost_it(char_dataset, tmp_path)
     torchrun says which rank failed first; no traceback, no warning."""
     run = tmp_path / "run"
     sets = [f"--set={s}" for s in [*SUPERVISED, f"data.dataset_dir={char_dataset}", f"logging.run_dir={run}"]]
-    done = cli(
-        "train", CORPUS, *sets, "--nproc-per-node", "2", env={"PRETRAIN_FAULT_KILL": "1:2"}, timeout=300
-    )
+    # OMP_NUM_THREADS unset, as on a person's shell: the supervisor sets it, said once, where torchrun
+    # would warn in four lines
+    env = {k: v for k, v in subprocess_env(PRETRAIN_FAULT_KILL="1:2").items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run(
+        [str(BIN / "pretrain"), "train", CORPUS, *sets, "--nproc-per-node", "2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     log = done.stdout + done.stderr
     assert done.returncode != 0, log[-3000:]
+    assert "Setting OMP_NUM_THREADS" not in log, log[-4000:]
+    assert len(re.findall(r"supervisor: OMP_NUM_THREADS=\d+ for each of the 2 ranks", log)) == 1, log[-4000:]
     pid = log.split("fault injection: SIGKILL to pid ")[1].split()[0]
     said = [line for line in log.splitlines() if "lost another rank" in line]
     assert len(said) == 1, log[-4000:]

@@ -103,6 +103,20 @@ def _die_with(parent: int) -> Any:
     return set_death_signal
 
 
+def rank_threads(nproc_per_node: int) -> dict[str, str]:
+    """OMP_NUM_THREADS for the ranks where it is not set: this host's usable cores shared out among
+    them, said once. torchrun would set 1 with a four-line warning on every run of several ranks."""
+    if "OMP_NUM_THREADS" in os.environ or nproc_per_node < 2:
+        return {}
+    threads = max(1, len(os.sched_getaffinity(0)) // nproc_per_node)
+    print(
+        f"supervisor: OMP_NUM_THREADS={threads} for each of the {nproc_per_node} ranks (this host's cores "
+        "shared out; set OMP_NUM_THREADS to choose)",
+        flush=True,
+    )
+    return {"OMP_NUM_THREADS": str(threads)}
+
+
 def supervise(train_args: list[str], *, script: Path, nproc_per_node: int, max_restarts: int) -> int:
     """Run `script` (the train entry point) with `train_args` on `nproc_per_node` ranks under
     torchrun, up to `max_restarts` more times after a failure. Returns the exit code: 0, the last
@@ -123,6 +137,7 @@ def supervise(train_args: list[str], *, script: Path, nproc_per_node: int, max_r
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, forward)
     rc = 1
+    threads = rank_threads(nproc_per_node)
     fd, name = tempfile.mkstemp(prefix="pretrain-refused-")
     os.close(fd)
     refused = Path(name)
@@ -130,7 +145,7 @@ def supervise(train_args: list[str], *, script: Path, nproc_per_node: int, max_r
         print(f"supervisor: attempt {attempt + 1} of {max_restarts + 1}: {' '.join(argv[1:])}", flush=True)
         refused.unlink(missing_ok=True)
         # A session of its own, so that a terminal's Ctrl-C reaches the ranks once, through us.
-        env = {**os.environ, "PRETRAIN_RESTART_COUNT": str(attempt), REFUSED_FILE: str(refused)}
+        env = {**os.environ, **threads, "PRETRAIN_RESTART_COUNT": str(attempt), REFUSED_FILE: str(refused)}
         child = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with(os.getpid()))
         rc = child.wait()
         # What the ranks refused, printed here once every rank has stopped (a rank's own print could
