@@ -412,6 +412,20 @@ def _lock_holders(st: os.stat_result) -> list[tuple[int, str]]:
     return sorted(found.items())
 
 
+def pid_gone(pid: int) -> bool:
+    """The process `pid` (on this host) has exited: no such process, or a zombie not yet reaped."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _command_line(pid: int) -> str:
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()

@@ -17,7 +17,7 @@ from pretrain.config.tree import CleanConfig, DataConfig
 from pretrain.data.clean import CleanStats
 from pretrain.data.corpus import iter_documents
 from pretrain.data.dataset import load_manifest, open_datasets, shard_paths
-from pretrain.data.dedup import ExactDedup, MinHasher, NearDedup
+from pretrain.data.dedup import MinHasher
 from pretrain.data.encode import is_val_document
 from pretrain.data.prepare import prepare
 from pretrain.data.report import format_report
@@ -357,16 +357,8 @@ def test_bpe_vocab_size_checks() -> None:
 # dedup
 
 
-def test_exact_dedup_set_grows_and_remembers() -> None:
-    s = ExactDedup(capacity=16)
-    values = [int(v) for v in np.random.default_rng(0).integers(1, 2**63, size=1000)]
-    assert not any(s.seen(v) for v in values)
-    assert all(s.seen(v) for v in values) and s.size == 1000
-    assert s.nbytes <= 16 * 2048  # 16 bytes per member at most, at half load
-
-
 def test_minhash_signatures_match_datasketch_and_find_near_duplicates() -> None:
-    from datasketch import MinHash
+    from datasketch import LeanMinHash, MinHash, MinHashLSH
 
     from pretrain.data.dedup import shingle_hashes
 
@@ -378,10 +370,10 @@ def test_minhash_signatures_match_datasketch_and_find_near_duplicates() -> None:
     ref = MinHash(num_perm=64, seed=1, hashfunc=int)
     ref.update_batch(sh.tolist())
     assert np.array_equal(mh(sh), ref.hashvalues)
-    nd = NearDedup(0.8, 64)
-    assert not nd.seen(0, mh(sh))
-    assert nd.seen(1, mh(shingle_hashes(near, 5)))
-    assert not nd.seen(2, mh(shingle_hashes(other, 5)))
+    lsh = MinHashLSH(threshold=0.8, num_perm=64)
+    lsh.insert(0, LeanMinHash(seed=1, hashvalues=mh(sh), scheme="affine32"))
+    assert lsh.query(LeanMinHash(seed=1, hashvalues=mh(shingle_hashes(near, 5)), scheme="affine32")) == [0]
+    assert not lsh.query(LeanMinHash(seed=1, hashvalues=mh(shingle_hashes(other, 5)), scheme="affine32"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -179,10 +179,8 @@ def test_a_task_killed_mid_way_runs_again_alone_and_gives_the_same_dataset(
 
 def test_near_dedup_across_buckets_keeps_what_one_hosts_lsh_keeps():
     """20,000 documents in clusters and chains of near copies: the buckets' verdict, band by band,
-    equals one host's MinHashLSH queried and filled in corpus order (dedup.NearDedup)."""
-    from datasketch import MinHashLSH
-
-    from pretrain.data.dedup import NearDedup
+    equals datasketch's MinHashLSH queried and filled with the kept documents in corpus order."""
+    from datasketch import LeanMinHash, MinHashLSH
 
     rng = np.random.default_rng(3)
     perms, n = 128, 20_000
@@ -191,8 +189,13 @@ def test_near_dedup_across_buckets_keeps_what_one_hosts_lsh_keeps():
         if rng.random() < 0.3:
             sigs[i] = sigs[i - 1]
             sigs[i, rng.choice(perms, size=int(rng.integers(1, 100)), replace=False)] = rng.integers(0, 2**32)
-    one_host = NearDedup(0.8, perms)
-    expected = [i for i in range(n) if one_host.seen(i, sigs[i])]
+    lsh, expected = MinHashLSH(threshold=0.8, num_perm=perms), []
+    for i in range(n):
+        m = LeanMinHash(seed=1, hashvalues=sigs[i], scheme="affine32")
+        if lsh.query(m):
+            expected.append(i)
+        else:
+            lsh.insert(i, m, check_duplication=False)
     members, sizes = [], []
     for start, end in MinHashLSH(threshold=0.8, num_perm=perms).hashranges:
         m, s = _buckets(sigs[:, start:end], np.arange(n))

@@ -1,14 +1,10 @@
-"""Dedup across the whole stream of documents, in corpus order (the first occurrence is kept).
+"""What dedup compares: each document's exact hash and its MinHash signature, computed in the
+encode step (encode.py) from its cleaned text and its shingles.
 
-The workers compute each document's exact hash and MinHash signature; the main process asks
-these indexes, in document order, whether it has seen the document already. So the result
-does not depend on the number of workers.
-
-Memory is the one thing that grows with the corpus here:
-- exact: an open-addressing table of 64-bit hashes at most half full, 8-16 bytes per kept
-  document (a false duplicate needs a 64-bit collision: about n²/2⁶⁵, 3% at a billion documents);
-- near: datasketch's MinHashLSH keeps every band of every kept document, about 1 KB per document
-  with the default 128 permutations. It is off by default.
+The stages of tasks.py compare them across the whole corpus, in corpus order (the first occurrence
+is kept): exact dedup by sorting the hashes, near dedup by MinHash LSH's bands, as datasketch's
+MinHashLSH cuts them, one band at a time. A false exact duplicate needs a 64-bit collision: about
+n²/2⁶⁵, 3% at a billion documents.
 """
 
 from __future__ import annotations
@@ -27,47 +23,9 @@ MINHASH_SEED = 1
 
 
 def exact_hash(data: bytes) -> int:
-    """A document's 64-bit hash (blake2b), never 0 (the table's empty marker)."""
+    """A document's 64-bit hash (blake2b), never 0 (a hash of 0 marks exact dedup off)."""
     h = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
     return h or 1
-
-
-class ExactDedup:
-    """A set of nonzero 64-bit hashes: linear probing in one uint64 array, grown at half full."""
-
-    def __init__(self, capacity: int = 1 << 16) -> None:
-        self._table = np.zeros(max(16, 1 << (capacity - 1).bit_length()), dtype=np.uint64)
-        self._mask = len(self._table) - 1
-        self.size = 0
-
-    def seen(self, h: int) -> bool:
-        """Whether h was added before; adds it if not."""
-        table, mask = self._table, self._mask
-        i = h & mask
-        while True:
-            slot = int(table[i])
-            if slot == 0:
-                break
-            if slot == h:
-                return True
-            i = (i + 1) & mask
-        table[i] = h
-        self.size += 1
-        if 2 * self.size > len(table):
-            self._grow()
-        return False
-
-    def _grow(self) -> None:
-        old = self._table[self._table != 0]
-        self._table = np.zeros(2 * len(self._table), dtype=np.uint64)
-        self._mask = len(self._table) - 1
-        self.size = 0
-        for h in old.tolist():
-            self.seen(h)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self._table.nbytes)
 
 
 class MinHasher:
@@ -87,8 +45,9 @@ class MinHasher:
 
 
 class NearDedup:
-    """MinHash LSH over the kept documents: a document whose signature shares a band with an
-    earlier kept one (estimated Jaccard similarity about `threshold` or more) is a near duplicate."""
+    """datasketch's MinHashLSH over the kept documents, filled in corpus order: a document whose
+    signature shares a band with an earlier kept one is a near duplicate. Not a prepare's: the
+    index `benchmarks/data_scale.py` measures the stages' memory against."""
 
     def __init__(self, threshold: float, num_perm: int) -> None:
         datasketch = require("datasketch", NEAR_DEDUP, "near-dedup")

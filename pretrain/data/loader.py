@@ -480,16 +480,18 @@ class ShardedLoader:
 
     @property
     def position(self) -> int:
+        """Global samples (all ranks) in the optimizer steps completed: where the next step starts."""
         return self._cursor.position
-
-    @property
-    def micro_in_step(self) -> int:
-        return self._cursor.micro
 
     @property
     def consumed_samples(self) -> int:
         """Global samples (all ranks) taken so far, counting micro batches as they are taken."""
         return self._cursor.position + self._cursor.micro * self.micro_batch_size * self.world_size
+
+    @property
+    def micro_in_step(self) -> int:
+        """Micro batches of the current optimizer step this rank has taken (0 at a step boundary)."""
+        return self._cursor.micro
 
     @property
     def epoch(self) -> int:

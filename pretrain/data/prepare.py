@@ -74,7 +74,7 @@ from pretrain.data.tokenizer import (
 )
 from pretrain.data.workers import STUCK_POOL, Interrupted, Workers, stopping_on_signals, uninterrupted
 from pretrain.errors import DataError, require
-from pretrain.files import FileLock, check_output_dir, replace_dir, short_name, staging_dir
+from pretrain.files import FileLock, check_output_dir, pid_gone, replace_dir, short_name, staging_dir
 
 _OWN_FILES = (MANIFEST, TOKENIZER_FILE, BPE_RANKS_FILE, HF_TOKENIZER_FILE)
 
@@ -159,16 +159,6 @@ def _fit_tokenizer(
 # The output directory: staging, swap, no-op check
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_stale(out: Path) -> None:
     """Staging and old directories left by runs that died (this machine's dead pids), beside the
     directory `out` is (what a link there points to; a link set aside by an older version, too)."""
@@ -181,7 +171,7 @@ def _remove_stale(out: Path) -> None:
             and kind in ("tmp", "old")
             and pid.isdigit()
             and int(pid) != os.getpid()
-            and not _pid_alive(int(pid))
+            and pid_gone(int(pid))
         ):
             if p.is_symlink():
                 p.unlink()
