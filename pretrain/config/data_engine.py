@@ -60,7 +60,8 @@ class DataEngineFields(Section):
         ge=1,
         le=1_000_000,
         description="Prepare as this many tasks, each a run of the corpus, deduped "
-        "across all of them. None: one host's workers, no tasks. Changes the shards, not the token stream.",
+        "across all of them. None: each stage one task in the prepare's own process, its encode over "
+        "data.workers, with one host's shard names. Changes the shards, not the token stream.",
     )
     slurm: SlurmSection = Field(default_factory=SlurmSection, description="data.executor 'slurm'.")
     ray: RaySection = Field(default_factory=RaySection, description="data.executor 'ray'.")

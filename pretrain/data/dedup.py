@@ -44,27 +44,6 @@ class MinHasher:
         return np.asarray(self._m.hashvalues, dtype=np.uint32).copy()
 
 
-class NearDedup:
-    """datasketch's MinHashLSH over the kept documents, filled in corpus order: a document whose
-    signature shares a band with an earlier kept one is a near duplicate. Not a prepare's: the
-    index `benchmarks/data_scale.py` measures the stages' memory against."""
-
-    def __init__(self, threshold: float, num_perm: int) -> None:
-        datasketch = require("datasketch", NEAR_DEDUP, "near-dedup")
-        self._lean = datasketch.LeanMinHash
-        self._lsh = datasketch.MinHashLSH(threshold=threshold, num_perm=num_perm)
-        self.size = 0
-
-    def seen(self, key: int, signature: np.ndarray) -> bool:
-        """Whether a near duplicate was kept before; indexes this document if not."""
-        m = self._lean(seed=MINHASH_SEED, hashvalues=signature, scheme="affine32")
-        if self._lsh.query(m):
-            return True
-        self._lsh.insert(key, m, check_duplication=False)
-        self.size += 1
-        return False
-
-
 # ---------------------------------------------------------------------------------------------
 # Near-duplicate signatures (computed in the workers, from each document's shingles)
 

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -24,6 +23,7 @@ import torch.distributed as tdist
 from pretrain.cluster.launch import launcher
 from pretrain.cluster.reach import free_port, who_holds
 from pretrain.errors import LaunchError, PretrainError, require
+from pretrain.files import pid_gone
 from pretrain.training.distributed.ds_internals import skip_shm_comm_op
 
 T = TypeVar("T")
@@ -276,20 +276,6 @@ def set_roster(roster: list[tuple[str, int]]) -> None:
     _ROSTER[:] = roster
 
 
-def _gone(pid: int) -> bool:
-    """The process `pid` (on this host) has exited: no such process, or a zombie not yet reaped."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def lost_rank(e: BaseException, rank: int, wait_s: float = 3.0) -> str | None:
     """If `e` is a collective that failed because another rank is gone: one message saying so,
     naming the ranks on this host that have exited (looked for up to `wait_s`: a crashing rank may
@@ -304,7 +290,7 @@ def lost_rank(e: BaseException, rank: int, wait_s: float = 3.0) -> str | None:
     local = [(r, pid) for r, (host, pid) in enumerate(_ROSTER) if r != rank and host == here]
     others = sorted({host for r, (host, _) in enumerate(_ROSTER) if host != here})
     deadline = time.monotonic() + wait_s
-    while not (gone := [(r, pid) for r, pid in local if _gone(pid)]) and time.monotonic() < deadline:
+    while not (gone := [(r, pid) for r, pid in local if pid_gone(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     if gone:
         names = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone)
