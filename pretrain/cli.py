@@ -410,7 +410,17 @@ def _add_checkpoint_parsers(sub: Any) -> None:
         default=200,
         help="Tokens to generate per sample (default 200; at most 10,000,000 over all samples).",
     )
-    p.add_argument("--temperature", type=POSITIVE, default=0.8, help="Softmax temperature (default 0.8).")
+    p.add_argument(
+        "--temperature",
+        type=number(float, 0),
+        default=0.8,
+        help="Softmax temperature (default 0.8); 0: greedy, the likeliest token each step (as --greedy).",
+    )
+    p.add_argument(
+        "--greedy",
+        action="store_true",
+        help="The likeliest token each step (--temperature 0): transformers' do_sample=False.",
+    )
     p.add_argument(
         "--top-k", type=NON_NEGATIVE, default=200, help="Sample among the k likeliest; 0: all (default 200)."
     )
@@ -502,7 +512,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         prompt=args.prompt,
         prompt_file=args.prompt_file,
         max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
+        temperature=0.0 if args.greedy else args.temperature,
         top_k=args.top_k or None,
         seed=args.seed,
         num_samples=args.num_samples,

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from pretrain.config.tree import ModelConfig
-from pretrain.data.tokenizer import Tokenizer
+from pretrain.data.tokenizer import HFTokenizer, Tokenizer
 from pretrain.errors import ConfigError, DataError
 from pretrain.export import load_model, tokenizer_for
 from pretrain.training.model.gpt import GPT, KVCache
@@ -44,20 +44,40 @@ def sample_batch_size(m: ModelConfig, num_samples: int, max_new_tokens: int) -> 
 class _Decoder:
     """A sample's text, token by token: a byte-level BPE token may end inside a character, which is
     held back until the next token completes it (and decoded as `decode` would, with U+FFFD for
-    bytes that never form one)."""
+    bytes that never form one).
+
+    A Hugging Face tokenizer's decoder may read a token by its neighbours (a Llama "▁" is a space
+    but at the start): its text is the decode of the tokens since the last piece's first, less that
+    of the last piece's, as text-generation-inference streams it."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         enc = getattr(tokenizer, "enc", None)  # tiktoken's, for the byte-level BPEs
         self.token_bytes = getattr(enc, "decode_single_token_bytes", None)
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if self.token_bytes else None
+        self.hf = isinstance(tokenizer, HFTokenizer)
+        self.ids: list[int] = []  # an hf tokenizer's: the sample's tokens so far
+        self.start = self.shown = 0  # ids[start:shown]: the last piece's tokens
 
     def __call__(self, ids: list[int]) -> str:
+        if self.hf:
+            self.ids += ids
+            return self._hf_piece(final=False)
         if self.token_bytes is None or self.utf8 is None:
             return str(self.tokenizer.decode(ids))
         return str(self.utf8.decode(b"".join(self.token_bytes(i) for i in ids)))
 
+    def _hf_piece(self, final: bool) -> str:
+        before = self.tokenizer.decode(self.ids[self.start : self.shown])
+        now = self.tokenizer.decode(self.ids[self.start :])
+        if len(now) <= len(before) or (now.endswith("\ufffd") and not final):  # a byte of a character
+            return ""
+        self.start, self.shown = self.shown, len(self.ids)
+        return now[len(before) :]
+
     def flush(self) -> str:
+        if self.hf:
+            return self._hf_piece(final=True)
         return "" if self.utf8 is None else str(self.utf8.decode(b"", final=True))
 
 
@@ -68,13 +88,15 @@ class _Continuation:
     def __init__(self, stop: Sequence[str]) -> None:
         self.stop = [s for s in stop if s]
         self.pending = ""  # made, not yet shown: no stop string begins before it
-        self.done = False  # a stop string came
+        self.done = False  # a stop string or the end-of-text came
+        self.why = ""  # what ended it before max_new_tokens: "end-of-text", "--stop"
+        self.made = 0  # tokens generated
 
     def add(self, text: str, final: bool = False) -> str:
         self.pending += text
         found = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
         if found:
-            self.done = True
+            self.done, self.why = True, "--stop"
             shown, self.pending = self.pending[: min(found)], ""
             return shown
         cut = len(self.pending) - (0 if final else self._held())
@@ -91,9 +113,11 @@ class _Continuation:
 
 @dataclasses.dataclass
 class SampleCount:
-    """What a `stream_samples` has made so far: tokens generated, all samples together."""
+    """What a `stream_samples` has made so far: tokens generated, all samples together, and the
+    samples that ended before max_new_tokens: sample index -> (why, tokens generated)."""
 
     tokens: int = 0
+    ended: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
 
 
 def _next_tokens(
@@ -101,7 +125,9 @@ def _next_tokens(
 ) -> torch.Tensor:
     """One token for each row of the next-token `logits` (B, V), on the CPU, row r drawn with
     `gens[r]`, among the tokenizer's `vocab` ids only (a model's vocabulary may be padded past the
-    tokenizer's)."""
+    tokenizer's). A temperature of 0 is greedy: the likeliest token, nothing drawn."""
+    if temperature == 0:  # as transformers' do_sample=False: the first of equal maxima
+        return logits[:, :vocab].to("cpu", torch.float64).argmax(dim=-1)
     # (B, vocab), drawn from on the CPU in float64 (a temperature of 1e-300 is not 0 there; MPS has no
     # float64): the same samples on every device, to the model's rounding.
     logits = logits[:, :vocab].to("cpu", torch.float64)
@@ -149,8 +175,10 @@ def stream_samples(
 
     Samples whose prompts are as long (in tokens) are made side by side in batches
     (`sample_batch_size`), each batch's printed when it is done; a sample made alone (a long one)
-    comes token by token, as it is made. A sample ends after max_new_tokens tokens, or before the
-    first of the `stop` strings in what it adds to the prompt (a stop string is not part of it).
+    comes token by token, as it is made. A sample ends after max_new_tokens tokens, at the
+    tokenizer's end-of-text (as transformers' generate with the export's generation_config), or
+    before the first of the `stop` strings in what it adds to the prompt (neither is part of it);
+    `count.ended` says which ended early, and why. A temperature of 0 is greedy.
     The context is the last block_size tokens, so memory stays bounded however long a sample is;
     the KV cache (`GPT.next_logits`) gives the tokens a forward of the whole context gives. A prompt
     the tokenizer refuses is named by `prompt_names` (by default `--prompt N`)."""
@@ -164,15 +192,18 @@ def stream_samples(
     printed = 0
     for ks in _batches(samples, contexts, batch):
         live = ks == [printed]
+        ended: dict[int, tuple[str, int]] = {}  # the batch's rows that ended early
         made = _sample_batch(
             model, tokenizer, [contexts[samples[k][0]] for k in ks], [seed + samples[k][1] for k in ks],
-            max_new_tokens, temperature, top_k, stop, kv_cache, count, device, live,
+            max_new_tokens, temperature, top_k, stop, kv_cache, count, device, live, ended,
         )  # fmt: skip
         for r, text in made:
             if live:
                 yield printed, text
             else:
                 done[ks[r]] = done.get(ks[r], "") + text
+        if count is not None:
+            count.ended.update({ks[r]: why for r, why in ended.items()})
         printed += live
         while printed in done:
             yield printed, done.pop(printed)
@@ -228,9 +259,11 @@ def _sample_batch(
     count: SampleCount | None,
     device: torch.device,
     live: bool,
+    ended: dict[int, tuple[str, int]],
 ) -> Iterator[tuple[int, str]]:
     """The texts of one batch of samples from contexts of one length, as (row, piece): each row's
-    whole at the end, or, `live`, the one row's piece by piece as its tokens come."""
+    whole at the end, or, `live`, the one row's piece by piece as its tokens come. The rows that
+    end before max_new_tokens are put in `ended`, with why and their tokens."""
     m = model.cfg
     gens = [torch.Generator().manual_seed(s % 2**64) for s in seeds]
     decoders = [_Decoder(tokenizer) for _ in contexts]
@@ -245,7 +278,7 @@ def _sample_batch(
     for _ in range(max_new_tokens):
         gens_now = [gens[r] for r in rows]
         idx, nxt = _step(model, idx, cache, gens_now, temperature, top_k, tokenizer.vocab_size, count)
-        for r, piece in _pieces(rows, nxt, decoders, ends):
+        for r, piece in _pieces(rows, nxt, decoders, ends, tokenizer.eot_token):
             if not live:
                 texts[r] += piece
             elif piece:
@@ -254,6 +287,7 @@ def _sample_batch(
         if not going:
             break
         idx, rows = _keep(idx, rows, going, cache)  # a stop string ended some samples: go on without them
+    ended.update({r: (e.why, e.made) for r, e in enumerate(ends) if e.done})
     yield from _last_pieces(decoders, ends, texts, live)
 
 
@@ -277,10 +311,19 @@ def _step(
 
 
 def _pieces(
-    rows: list[int], tokens: list[int], decoders: list[_Decoder], ends: list[_Continuation]
+    rows: list[int], tokens: list[int], decoders: list[_Decoder], ends: list[_Continuation], eot: int | None
 ) -> list[tuple[int, str]]:
-    """What each row's new token adds to its text, as (row, piece): "" where nothing shows yet."""
-    return [(r, ends[r].add(decoders[r]([token]))) for r, token in zip(rows, tokens, strict=True)]
+    """What each row's new token adds to its text, as (row, piece): "" where nothing shows yet, and
+    at the end-of-text `eot`, which ends the row (and is not shown)."""
+    pieces = []
+    for r, token in zip(rows, tokens, strict=True):
+        ends[r].made += 1
+        if token == eot:  # what the row holds back is its end: no stop string follows
+            pieces.append((r, ends[r].add(decoders[r].flush(), final=True)))
+            ends[r].done, ends[r].why = True, "end-of-text"
+        else:
+            pieces.append((r, ends[r].add(decoders[r]([token]))))
+    return pieces
 
 
 def _keep(
@@ -393,6 +436,19 @@ def print_samples(
         f"({'with' if kv_cache else 'without'} the KV cache, --device {device})",
         file=sys.stderr,
     )
+    if count.ended:
+        print(_ended_line(count.ended, max_new_tokens, len(prompts) * num_samples), file=sys.stderr)
+
+
+def _ended_line(ended: dict[int, tuple[str, int]], max_new_tokens: int, samples: int) -> str:
+    """One line naming the samples that ended before --max-new-tokens, and why."""
+    said = [
+        (f"sample {k + 1} " if samples > 1 else "")
+        + f"at {'the end-of-text token' if why == 'end-of-text' else 'a --stop string'} after {made:,} tokens"
+        for k, (why, made) in sorted(ended.items())
+    ]
+    more = f", and {len(said) - 5} more" if len(said) > 5 else ""
+    return f"ended before --max-new-tokens {max_new_tokens:,}: " + ", ".join(said[:5]) + more
 
 
 def _write_samples(samples: Iterator[tuple[int, str]], *, several_prompts: bool, num_samples: int) -> None:

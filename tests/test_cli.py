@@ -231,8 +231,8 @@ def test_render_all_check_passes_on_the_committed_files(tmp_path):
         ),
         (["train", "--nproc-per-node", "0"], "argument --nproc-per-node: 0 is out of range"),
         (
-            ["sample", "x", "--temperature", "0"],
-            "argument --temperature: 0 is out of range: a number above 0",
+            ["sample", "x", "--temperature", "-1"],
+            "argument --temperature: -1 is out of range: a number at least 0",
         ),
         (["sample", "x", "--top-k", "-1"], "argument --top-k: -1 is out of range"),
         (["sample", "x", "--num-samples", "0"], "argument --num-samples: 0 is out of range"),

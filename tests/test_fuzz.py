@@ -224,7 +224,7 @@ def _fixed_cases(f: dict[str, Path], precious: dict[str, Path]) -> list[list[str
         ["data", "prepare", f"--set=data.corpus={f['fifo']}"],
         ["data", "prepare", f"--set=data.corpus={f['binary']}", "--set=data.tokenizer=char"],
         ["data", "prepare", f"--set=data.corpus={f['under-a-file']}"],
-        ["sample", str(precious["precious-run"]), "--temperature", "0"],
+        ["sample", str(precious["precious-run"]), "--temperature", "-1"],
         ["sample", str(f["binary"])],
         ["sample", str(precious["precious-run"]), "--seed", "9" * 30, "--num-samples", "9" * 12],
         ["convert", str(precious["precious-run"])],

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models
 
 from pretrain.config.tree import RunConfig
-from pretrain.data.tokenizer import CharTokenizer
-from pretrain.export import INFO, TOKENIZER, WEIGHTS
-from pretrain.generate import SampleCount, _Continuation, generate, stream_samples
+from pretrain.data.tokenizer import CharTokenizer, HFTokenizer
+from pretrain.export import INFO, TOKENIZER, WEIGHTS, load_model, write_hf
+from pretrain.generate import SampleCount, _Continuation, _ended_line, generate, stream_samples
 from pretrain.training.model.gpt import GPT, KVCache
 from tests.test_fuzz_commands import main, ok
 from tests.test_safety import one_error
@@ -271,3 +272,44 @@ def test_sample_bad_prompts_and_stops(export_dir: Path, tmp_path: Path) -> None:
         main("sample", str(export_dir), "--prompt", "a", "--prompt", "b", "--max-new-tokens", "5000001"),
         "2 prompts x --num-samples 1 x --max-new-tokens 5000001",
     )
+
+
+def test_a_sample_ends_at_the_end_of_text_and_says_why() -> None:
+    """A sample ends at the tokenizer's end-of-text, which is not printed, as transformers' generate
+    ends at the export's eos_token_id; `count.ended` and the line on stderr say why and when."""
+    model = make_model("llama-gqa")
+    free = generate(model, CHARS, "ab", 40, 1.0, None, 4)[0][2:]
+    end = free[10]
+    # CHARS' ids in a Hugging Face tokenizer, `end` its end-of-text: the same draws, ended at it
+    hf = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(CHARS.chars)}, merges=[]))
+    hf.decoder = decoders.Fuse()
+    tok = HFTokenizer(hf.to_str().encode(), "chars", end)
+    count = SampleCount()
+    text = "".join(p for _, p in stream_samples(model, tok, "ab", 40, 1.0, None, 4, count=count))
+    assert text == "ab" + free[: free.index(end)]
+    assert count.ended == {0: ("end-of-text", free.index(end) + 1)} and count.tokens == free.index(end) + 1
+    assert _ended_line(count.ended, 40, 1) == (
+        f"ended before --max-new-tokens 40: at the end-of-text token after {free.index(end) + 1} tokens"
+    )
+    both = {0: ("end-of-text", 3), 2: ("--stop", 7)}
+    assert _ended_line(both, 9, 3) == (
+        "ended before --max-new-tokens 9: sample 1 at the end-of-text token after 3 tokens, "
+        "sample 3 at a --stop string after 7 tokens"
+    )
+
+
+def test_greedy_is_transformers_do_sample_false(export_dir: Path, tmp_path: Path) -> None:
+    """--temperature 0 and --greedy take the likeliest token each step: the text transformers'
+    generate(do_sample=False) makes on the model's Hugging Face directory."""
+    transformers = pytest.importorskip("transformers", reason="the dev extras install transformers")
+    model, cfg, _ = load_model(export_dir)
+    write_hf(tmp_path / "hf", cfg.model, model.state_dict(), "fp32", CHARS)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    for prompt in ("ab", "badge j"):
+        ids = torch.tensor([CHARS.encode(prompt)])
+        out = theirs.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8)
+        want = CHARS.decode(out[0].tolist()) + "\n"
+        assert (
+            sample(export_dir, "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "8")[0] == want
+        )
+        assert sample(export_dir, "--prompt", prompt, "--greedy", "--max-new-tokens", "8")[0] == want
