@@ -367,17 +367,31 @@ def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _special_ids(tok: Tokenizer | None) -> dict[str, int]:
-    """<|endoftext|> as bos and eos: the tokenizer's own, or the one the char tokenizer's Hugging Face
-    tokenizer adds (`hf_added_tokens`). An hf tokenizer's own end-of-text, if it has one."""
+def _special_ids(tok: Tokenizer | None, tok_config: dict[str, Any] | None = None) -> dict[str, int | None]:
+    """bos, eos (and pad) ids. An hf tokenizer's: its end-of-text as eos, and the bos and pad its
+    `tok_config` (tokenizer_config.json) names, none where it names none. The others': <|endoftext|>
+    as bos and eos, the tokenizer's own or the one the char tokenizer's Hugging Face tokenizer adds
+    (`hf_added_tokens`)."""
     if tok is None or (isinstance(tok, HFTokenizer) and tok.eot_token is None):
         return {}
+    if isinstance(tok, HFTokenizer):
+        named = {k: _token_id(tok, (tok_config or {}).get(f"{k}_token")) for k in ("bos", "pad")}
+        return {"bos_token_id": named["bos"], "eos_token_id": tok.eot_token, "pad_token_id": named["pad"]}
     eot = hf_eot_token(tok)
     return {"bos_token_id": eot, "eos_token_id": eot}
 
 
-def hf_config(m: ModelConfig, dtype: str, tok: Tokenizer | None) -> dict[str, Any]:
-    """config.json for `hf_architecture(m)`."""
+def _token_id(tok: HFTokenizer, token: Any) -> int | None:
+    """The id of a token as tokenizer_config.json names it (a string or an AddedToken's dump)."""
+    token = token.get("content") if isinstance(token, dict) else token
+    return tok.hf.token_to_id(token) if isinstance(token, str) else None
+
+
+def hf_config(
+    m: ModelConfig, dtype: str, tok: Tokenizer | None, ids: dict[str, int | None] | None = None
+) -> dict[str, Any]:
+    """config.json for `hf_architecture(m)`; `ids`: bos and eos (`_special_ids`)."""
+    ids = _special_ids(tok) if ids is None else ids
     arch = hf_architecture(m)
     common: dict[str, Any] = {
         "architectures": [arch],
@@ -385,9 +399,8 @@ def hf_config(m: ModelConfig, dtype: str, tok: Tokenizer | None) -> dict[str, An
         "tie_word_embeddings": m.tie_embeddings,
         "initializer_range": 0.02,
         "torch_dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
-        "bos_token_id": None,
-        "eos_token_id": None,
-        **_special_ids(tok),
+        "bos_token_id": ids.get("bos_token_id"),
+        "eos_token_id": ids.get("eos_token_id"),
     }
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
     # The shape in the names Llama and GPT-NeoX share (GPT-2 has its own, below).
@@ -471,13 +484,16 @@ def hf_tokenizer_config(tok: Tokenizer, m: ModelConfig) -> dict[str, Any]:
     }
 
 
-def hf_generation_config(tok: Tokenizer, m: ModelConfig) -> dict[str, Any]:
+def hf_generation_config(
+    tok: Tokenizer, m: ModelConfig, ids: dict[str, int | None] | None = None
+) -> dict[str, Any]:
     """generation_config.json: `pretrain sample`'s defaults (temperature 0.8, top-k 200, 200 new
     tokens: no `max_length`, which transformers warns about beside every caller's max_new_tokens);
     end-of-text ends a sample and pads a batch. Ids past our tokenizer's
     vocabulary (a padded model's rows, the char tokenizer's added tokens) are suppressed: they are
-    never generated, as `pretrain sample` draws among the tokenizer's ids only."""
-    ids = _special_ids(tok)
+    never generated, as `pretrain sample` draws among the tokenizer's ids only. `ids`: bos, eos and
+    pad (`_special_ids`; pad is eos where the tokenizer has none)."""
+    ids = _special_ids(tok) if ids is None else ids
     beyond = list(range(tok.vocab_size, hf_vocab_rows(m, tok)))
     suppress = {"suppress_tokens": beyond} if beyond else {}
     return {
@@ -485,27 +501,129 @@ def hf_generation_config(tok: Tokenizer, m: ModelConfig) -> dict[str, Any]:
         "temperature": 0.8,
         "top_k": 200,
         "max_new_tokens": 200,
-        **ids,
-        "pad_token_id": ids.get("eos_token_id"),
+        "bos_token_id": ids.get("bos_token_id"),
+        "eos_token_id": ids.get("eos_token_id"),
+        "pad_token_id": ids.get("pad_token_id")
+        if ids.get("pad_token_id") is not None
+        else ids.get("eos_token_id"),
         **suppress,
     }
 
 
-def write_hf(out: Path, m: ModelConfig, sd: dict[str, torch.Tensor], dtype: str, tok: Tokenizer) -> None:
-    """The Hugging Face directory `out` (created) of the weights `sd` (ours, cast to `dtype`)."""
+# The files beside a Hugging Face tokenizer.json that tell transformers how to use it: its special
+# tokens, padding side, chat template, length.
+HF_TOKENIZER_NAME = "tokenizer.json"
+HF_TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def tokenizer_origin(tok: Tokenizer | None, cfg: RunConfig) -> Path | None:
+    """The directory an hf tokenizer was read from, where it still holds that tokenizer.json byte
+    for byte: data.tokenizer_path's, else model.init_from's (an export's hf/). None for the others."""
+    if not isinstance(tok, HFTokenizer):
+        return None
+    places: list[Path] = []
+    if cfg.data.tokenizer_path:
+        given = Path(os.path.expanduser(cfg.data.tokenizer_path))
+        places.append(given if given.suffix != ".json" else given.parent)
+    if cfg.model.init_from is not None:
+        places += [Path(cfg.model.init_from.path), Path(cfg.model.init_from.path) / HF_DIR]
+    for place in places:
+        with contextlib.suppress(OSError):
+            if (place / HF_TOKENIZER_NAME).read_bytes() == tok.data:
+                return place
+    return None
+
+
+def hf_tokenizer_files(
+    tok: Tokenizer, m: ModelConfig, origin: Path | None
+) -> tuple[dict[str, bytes], dict[str, Any], str | None]:
+    """The tokenizer files of the hf/ directory (name -> bytes), its tokenizer_config.json, and a
+    line saying what the export set in them (None: nothing to say).
+
+    An hf tokenizer read from `origin` (`tokenizer_origin`) is written as it was: its tokenizer.json
+    and the `HF_TOKENIZER_FILES` it has, byte for byte, but for the fields of tokenizer_config.json
+    it lacks that transformers needs: model_max_length (the block size), eos_token (the end-of-text
+    the documents ended with) and tokenizer_class (the generic fast tokenizer over tokenizer.json,
+    not the one config.json's model type would pick). Without a tokenizer_config.json there, or
+    without `origin`, and for the other tokenizers, the files are built (`hf_tokenizer`,
+    `hf_tokenizer_config`)."""
+    built = hf_tokenizer_config(tok, m)
+    if not isinstance(tok, HFTokenizer):
+        files = {
+            HF_TOKENIZER_NAME: hf_tokenizer(tok).to_str().encode(),
+            "tokenizer_config.json": _json_bytes(built),
+        }
+        return files, built, None
+    files = {HF_TOKENIZER_NAME: tok.data}
+    built_line = (
+        "hf/tokenizer_config.json: built (bos, eos and pad the end-of-text, left padding, model_max_length "
+        f"{m.block_size})"
+    )
+    if origin is None:
+        note = f"{built_line}: the directory the run's tokenizer.json was read from no longer holds it"
+        return {**files, "tokenizer_config.json": _json_bytes(built)}, built, note
+    for name in HF_TOKENIZER_FILES:
+        with contextlib.suppress(FileNotFoundError):
+            files[name] = (origin / name).read_bytes()
+    if "tokenizer_config.json" not in files:
+        note = f"{built_line}: {origin} has none"
+        return {**files, "tokenizer_config.json": _json_bytes(built)}, built, note
+    try:
+        config = json.loads(files["tokenizer_config.json"])
+    except ValueError as e:
+        raise DataError(f"{origin / 'tokenizer_config.json'}: not JSON ({e}); fix it or remove it") from e
+    if not isinstance(config, dict):
+        raise DataError(f"{origin / 'tokenizer_config.json'}: not a JSON object; fix it or remove it")
+    missing = {
+        "model_max_length": m.block_size,
+        "eos_token": tok.eos,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    added = {k: v for k, v in missing.items() if k not in config and v is not None}
+    if not added:
+        return files, config, f"hf/: the tokenizer files of {origin}, unchanged"
+    config.update(added)
+    files["tokenizer_config.json"] = _json_bytes(config)
+    said = ", ".join(f"{k} {v}" for k, v in added.items())
+    return (
+        files,
+        config,
+        f"hf/: the tokenizer files of {origin}; tokenizer_config.json has {said} added (it had none)",
+    )
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=1) + "\n").encode()
+
+
+def write_hf(
+    out: Path,
+    m: ModelConfig,
+    sd: dict[str, torch.Tensor],
+    dtype: str,
+    tok: Tokenizer,
+    origin: Path | None = None,
+) -> str | None:
+    """The Hugging Face directory `out` (created) of the weights `sd` (ours, cast to `dtype`), its
+    tokenizer files `hf_tokenizer_files`; returns their line."""
     out.mkdir()
     save_file(hf_state_dict(sd, m, hf_vocab_rows(m, tok)), str(out / WEIGHTS), metadata={"format": "pt"})
     default_mode(out / WEIGHTS)
-    # An hf tokenizer's own file, byte for byte: the others' are built (`hf_tokenizer`).
-    write_atomic(
-        out / "tokenizer.json", tok.data if isinstance(tok, HFTokenizer) else hf_tokenizer(tok).to_str()
-    )
+    files, tok_config, note = hf_tokenizer_files(tok, m, origin)
+    for name, data in files.items():
+        write_atomic(out / name, data)
+    ids = _special_ids(tok, tok_config)
     for name, obj in (
-        ("config.json", hf_config(m, dtype, tok)),
-        ("tokenizer_config.json", hf_tokenizer_config(tok, m)),
-        ("generation_config.json", hf_generation_config(tok, m)),
+        ("config.json", hf_config(m, dtype, tok, ids)),
+        ("generation_config.json", hf_generation_config(tok, m, ids)),
     ):
         write_atomic(out / name, json.dumps(obj, indent=1) + "\n")
+    return note
 
 
 def is_export(path: Path) -> bool:
@@ -560,8 +678,9 @@ def export(
         default_mode(tmp / WEIGHTS)
         if tok is not None:
             tok.save(tmp / TOKENIZER)
+        note = None
         if hf and tok is not None:
-            write_hf(tmp / HF_DIR, cfg.model, cast, dtype, tok)
+            note = write_hf(tmp / HF_DIR, cfg.model, cast, dtype, tok, tokenizer_origin(tok, cfg))
         info = {
             "model": cfg.model.model_dump(mode="json"),
             "config": meta["config"],
@@ -582,6 +701,8 @@ def export(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if note is not None:
+        print(note, file=sys.stderr, flush=True)
     return {
         "source": ckpt,
         "out": out,

@@ -6,19 +6,23 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pretrain.config.tree import DataConfig, InitFromConfig, validate
+from pretrain.config.tree import DataConfig, InitFromConfig, RunConfig, validate
 from pretrain.data.dataset import MANIFEST, SPLITS, TOKENIZER_FILE, load_manifest
 from pretrain.data.prepare import prepare
 from pretrain.data.shards import open_shard
 from pretrain.data.tokenizer import HF_TOKENIZER_FILE, HFTokenizer, load_tokenizer
 from pretrain.errors import CheckpointError, ConfigError, DataError
+from pretrain.export import tokenizer_origin, write_hf
 from pretrain.training.model import init_from
+from pretrain.training.model.gpt import GPT
 from tests.conftest import TINY_SHAKESPEARE, cli
 
 TEXT = TINY_SHAKESPEARE.read_text(encoding="utf-8")[:100_000]
@@ -41,9 +45,20 @@ def neox_tokenizer(out: Path) -> Path:
     return out
 
 
+# Llama 2's tokenizer_config.json, less its model_max_length: <s> its bos, no pad, right padding.
+LLAMA_CONFIG = {
+    "add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "clean_up_tokenization_spaces": False,
+    "eos_token": "</s>", "legacy": False, "pad_token": None, "padding_side": "right",
+    "sp_model_kwargs": {}, "tokenizer_class": "LlamaTokenizer", "unk_token": "<unk>", "use_default_system_prompt": False,
+}  # fmt: skip
+LLAMA_SPECIALS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+
+
 def llama_tokenizer(out: Path) -> Path:
-    """Llama (2) style: BPE with byte fallback over "▁"-spaced words, <unk> <s> </s>, and a
-    tokenizer_config.json naming </s> its eos."""
+    """Llama (2) style: BPE with byte fallback over "▁"-spaced words, <unk> <s> </s>, and Llama 2's
+    tokenizer files beside it: a tokenizer_config.json naming <s> its bos and </s> its eos (no
+    model_max_length), special_tokens_map.json and a chat template."""
     hf = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     hf.decoder = decoders.Sequence(
@@ -59,8 +74,9 @@ def llama_tokenizer(out: Path) -> Path:
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     out.mkdir()
     hf.save(str(out / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    (out / "tokenizer_config.json").write_text(json.dumps(LLAMA_CONFIG, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(LLAMA_SPECIALS, indent=2) + "\n")
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return out
 
 
@@ -161,16 +177,41 @@ def test_a_run_on_it_exports_the_tokenizer_unchanged_and_inits_from_it(tokenizer
     done = cli("export", str(tmp_path / "run"), "--out", str(tmp_path / "export"))
     assert done.returncode == 0, done.stderr[-3000:]
     hf_dir = tmp_path / "export" / "hf"
-    assert (hf_dir / "tokenizer.json").read_bytes() == (tok_dir / "tokenizer.json").read_bytes()
+    # The tokenizer files as they were, but the one field the original lacks, said in one line.
+    for name in ("tokenizer.json", "special_tokens_map.json", "chat_template.jinja"):
+        assert (hf_dir / name).read_bytes() == (tok_dir / name).read_bytes(), name
+    written = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    block = json.loads((tmp_path / "export" / "pretrain.json").read_text())["model"]["block_size"]
+    assert written == {**LLAMA_CONFIG, "model_max_length": block}
+    line = f"hf/: the tokenizer files of {tok_dir}; tokenizer_config.json has model_max_length {block} added"
+    assert line in done.stderr
     auto = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
     ours = HFTokenizer.from_path(tok_dir)
-    for text in (docs[1], "ROMEO: </s> <s> é 中"):
+    for text in (docs[1], "ROMEO: é 中"):
         assert auto(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
-    assert auto.eos_token == "</s>" and json.loads((hf_dir / "config.json").read_text())["eos_token_id"] == 2
+    # A "</s>" in text is the original's special token (chat templates write it), not split as ours
+    assert auto("a</s>", add_special_tokens=False)["input_ids"][-1] == 2 != ours.encode("a</s>")[-1]
+    assert (auto.bos_token, auto.bos_token_id, auto.eos_token, auto.pad_token) == ("<s>", 1, "</s>", None)
+    assert auto.padding_side == "right" and auto.model_max_length == block
+    assert auto.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[user] hi</s>"
+    config, gen = (json.loads((hf_dir / f).read_text()) for f in ("config.json", "generation_config.json"))
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    ids = [gen[f"{k}_token_id"] for k in ("bos", "eos", "pad")]
+    assert ids == [1, 2, 2]  # no pad: eos pads a batch
     said = cli(
         "sample", str(tmp_path / "export"), "--prompt", "ROMEO:", "--max-new-tokens", "8", "--seed", "1"
     )
     assert said.returncode == 0 and said.stdout.startswith("ROMEO:"), said.stderr[-3000:]
+    # Greedy: transformers' do_sample=False on hf/, its text as transformers decodes it.
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
+    prompt = torch.tensor([ours.encode("ROMEO: Good")])
+    made = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=24)
+    out = made[0].tolist()
+    greedy = cli("sample", str(tmp_path / "export"), "--prompt", "ROMEO: Good", "--temperature", "0",
+                 "--max-new-tokens", "24")  # fmt: skip
+    ended = out[-1] == 2  # </s>: transformers stops there, and so does sample
+    assert greedy.stdout == auto.decode(out[:-1] if ended else out) + "\n", (greedy.stdout, out)
+    assert ("ended before --max-new-tokens 24: at the end-of-text token" in greedy.stderr) == ended
     source = init_from.open_source(InitFromConfig(path=str(tmp_path / "export")))
     init_from.check_tokenizer(source, ours, ours.fingerprint(), "hf")
     other = HFTokenizer.from_path(tokenizers_["neox"])
@@ -181,3 +222,34 @@ def test_a_run_on_it_exports_the_tokenizer_unchanged_and_inits_from_it(tokenizer
     with pytest.raises(CheckpointError, match="encodes text to other ids than the run's hf tokenizer"):
         init_from.check_tokenizer(source, other, other.fingerprint(), "hf")
     assert (tmp_path / "export" / HF_TOKENIZER_FILE).is_file() and (data / MANIFEST).is_file()
+
+
+def test_the_tokenizer_files_round_trip_byte_for_byte_where_nothing_lacks(tokenizers_, tmp_path):
+    """A tokenizer whose config has its own model_max_length and class: hf/ holds its files byte for
+    byte, found from data.tokenizer_path (a directory or the file) or init_from's directory, and
+    says so; where none of them holds the run's tokenizer.json any more, the config is built, said
+    so."""
+    src = tmp_path / "tok"
+    shutil.copytree(tokenizers_["llama"], src)
+    (src / "tokenizer_config.json").write_text(json.dumps({**LLAMA_CONFIG, "model_max_length": 4096}))
+    tok = HFTokenizer.from_path(src)
+    model = {"vocab_size": tok.vocab_size, "n_layer": 1, "n_embd": 16, "block_size": 32}
+
+    def run(tokenizer_path: Path, init: Path | None = None) -> RunConfig:
+        return RunConfig.model_validate({
+            "model": {**model, "init_from": None if init is None else str(init)},
+            "data": {"tokenizer": "hf", "tokenizer_path": str(tokenizer_path)},
+        })  # fmt: skip
+
+    cfg = run(src)
+    assert tokenizer_origin(tok, cfg) == tokenizer_origin(tok, run(src / "tokenizer.json")) == src
+    assert tokenizer_origin(tok, run(tmp_path / "gone", init=src)) == src
+    weights = GPT(cfg.model).state_dict()
+    note = write_hf(tmp_path / "hf", cfg.model, weights, "fp32", tok, src)
+    assert note == f"hf/: the tokenizer files of {src}, unchanged"
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        assert (tmp_path / "hf" / name).read_bytes() == (src / name).read_bytes(), name
+    assert tokenizer_origin(tok, run(tmp_path / "gone", init=tmp_path / "gone")) is None
+    note = write_hf(tmp_path / "built", cfg.model, weights, "fp32", tok, None)
+    assert note is not None and "hf/tokenizer_config.json: built" in note and "no longer holds it" in note
+    assert json.loads((tmp_path / "built" / "tokenizer_config.json").read_text())["eos_token"] == "</s>"
