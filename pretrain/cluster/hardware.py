@@ -210,6 +210,10 @@ def cpu_fma_peak_tflops(
     return cores * mhz * 1e6 * per_cycle / 1e12
 
 
+def _threads(n: int) -> str:
+    return f"{n} thread{'s' if n != 1 else ''}"
+
+
 def device_peak_tflops(
     device: torch.device, precision: str, override: float | None = None
 ) -> tuple[float | None, str]:
@@ -226,6 +230,7 @@ def device_peak_tflops(
         probed = cpu_peak_tflops(dtype)
         fma = cpu_fma_peak_tflops(threads, dtype=dtype)
         if fma is not None and fma >= probed:
-            return fma, f"CPU {precision} FMA peak, {threads} threads (matmul probe: {probed:.3g})"
-        return probed, f"CPU matmul probe, {threads} threads"
+            probe = f"a matmul probe ran at {probed:.3g} TFLOP/s"
+            return fma, f"CPU {precision} FMA peak, {_threads(threads)} ({probe})"
+        return probed, f"CPU matmul probe, {_threads(threads)}"
     return None, f"{device.type}: unknown peak, set logging.peak_tflops"
