@@ -47,11 +47,11 @@ def main() -> None:
         f"largest difference: {max(errors[True]):.0%} on the runs fitted, {max(errors[False]):.0%} on the runs held out"
     )
     print()
-    print("| GPU | model size | efficiency | mean implied by its runs |")
-    print("| --- | --- | --- | --- |")
+    print("| GPU | layout | model size | efficiency | mean implied by its runs |")
+    print("| --- | --- | --- | --- | --- |")
     for e in FWD_BWD_EFFICIENCY:
         mean = statistics.fmean(v for r in e.runs if (v := implied[r]) is not None)  # a fitted run has one
-        print(f"| {e.gpu} | {size_class(e.max_params)} | {e.value:.2f} | {mean:.3f} |")
+        print(f"| {e.gpu} | {e.layout} | {size_class(e)} | {e.value:.2f} | {mean:.3f} |")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ import pytest
 
 from pretrain.cli import main
 from pretrain.config.tree import analytic_num_params
-from pretrain.plan.evidence import FWD_BWD_EFFICIENCY, PUBLISHED, gpu_class, size_class
-from pretrain.plan.published import implied_efficiency
+from pretrain.plan.evidence import FWD_BWD_EFFICIENCY, PUBLISHED, gpu_class, layout_kind, size_class
+from pretrain.plan.published import implied_efficiency, plan_of
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "plan.md"
 RUNS = {r.name: r for r in PUBLISHED}
@@ -71,34 +71,36 @@ def test_each_efficiency_is_the_mean_its_runs_imply_and_every_fitted_run_is_used
         implied = [implied_efficiency(RUNS[name]) for name in e.runs]
         assert None not in implied, e  # a run no efficiency reproduces says nothing of the efficiency
         assert e.value == pytest.approx(statistics.fmean(v for v in implied if v is not None), abs=0.005), e
-    for name in used:  # each run sits in the GPU class and the size class it is used for
+    for name in used:  # each run sits in the GPU class, the layout kind and the size class it is used for
         run = RUNS[name]
         device = run.args[run.args.index("--gpu") + 1]
         entry = next(e for e in FWD_BWD_EFFICIENCY if name in e.runs)
-        assert gpu_class(device) == entry.gpu
-        params = plan_params(run)
+        cfg, _, _ = plan_of(run)
+        assert (gpu_class(device), layout_kind(cfg.parallel.tensor, cfg.parallel.pipeline)) == (
+            entry.gpu,
+            entry.layout,
+        )
+        params = analytic_num_params(cfg.model)
         lower = max(
             [
                 0.0,
                 *(
                     f.max_params
                     for f in FWD_BWD_EFFICIENCY
-                    if f.gpu == entry.gpu and f.max_params < entry.max_params
+                    if (f.gpu, f.layout) == (entry.gpu, entry.layout) and f.max_params < entry.max_params
                 ),
             ]
         )
-        assert lower < params <= entry.max_params, (name, params, size_class(entry.max_params))
-
-
-def plan_params(run) -> int:
-    from pretrain.plan.published import plan_of
-
-    cfg, _, _ = plan_of(run)
-    return analytic_num_params(cfg.model)
+        assert lower < params <= entry.max_params, (name, params, size_class(entry))
 
 
 def test_a_plan_names_the_runs_its_efficiency_comes_from(capsys):
     assert main(["plan", "llama-7b", "--world-size", "16", "--gpu", "A100-80GB"]) == 0
     text = capsys.readouterr().out
-    assert "MFU of forward+backward 0.60 (A100, 3B to 30B parameters: from Megatron-LM GPT 18.4B" in text
+    assert (
+        "MFU of forward+backward 0.64 (A100, data parallel, over 3B parameters: from MPT 7B, 8 x A100" in text
+    )
     assert "see docs/plan.md" in text
+    assert main(["plan", "llama-13b", "--world-size", "16", "--gpu", "A100-80GB"]) == 0  # TP2: Megatron-LM's
+    text = capsys.readouterr().out
+    assert "0.60 (A100, tensor or pipeline parallel, up to 30B parameters: from Megatron-LM GPT 18.4B" in text

@@ -395,7 +395,7 @@ PUBLISHED: tuple[PublishedRun, ...] = (
             ),
         ),
         4641,
-        fit=False,
+        fit=True,
     ),
     PublishedRun(
         "MPT 70B, 64 x H100-80GB (FSDP, checkpointing)",
@@ -416,7 +416,7 @@ PUBLISHED: tuple[PublishedRun, ...] = (
             ),
         ),
         1039,
-        fit=False,
+        fit=True,
     ),
     PublishedRun(
         "Megatron-LM GPT 39.1B, 512 x A100-80GB (TP8 x PP2)",
@@ -445,36 +445,64 @@ PUBLISHED: tuple[PublishedRun, ...] = (
 
 @dataclass(frozen=True)
 class Efficiency:
-    """The fraction of the peak forward + backward reach on a GPU class, for models up to a size: the
-    mean of what its `runs` imply (`implied_efficiency`), rounded to two places."""
+    """The fraction of the peak forward + backward reach on a GPU class under a kind of layout, for
+    models up to a size: the mean of what its `runs` imply (`implied_efficiency`), rounded to two places."""
 
     gpu: str  # a `gpu_class`
+    layout: str  # a `layout_kind`
     max_params: float
     value: float
     runs: tuple[str, ...]  # names of PUBLISHED runs marked fit
 
 
-SMALL, MEDIUM = 3e9, 30e9  # the size classes: up to 3B, up to 30B, larger
+DATA, MODEL = "data parallel", "tensor or pipeline parallel"  # the kinds of layout, `layout_kind`
+SMALL, MEDIUM = 3e9, 30e9  # the size bounds: up to 3B, up to 30B, larger
+# Data parallel (every ZeRO stage and FSDP: whole layers a rank, large matrix products) and tensor or
+# pipeline parallel (Megatron-LM's and BLOOM's: a layer cut in t, or stages waiting on each other)
+# reach different parts of the peak; the A100 entries under data parallel are llm.c's, Megatron-LM's
+# small run and MPT's FSDP, no longer the tensor parallel runs' for every layout.
 FWD_BWD_EFFICIENCY: tuple[Efficiency, ...] = (
     Efficiency(
-        "A100", SMALL, 0.55, ("llm.c GPT-2 124M, 8 x A100-80GB", "Megatron-LM GPT 1.7B, 32 x A100-80GB")
+        "A100", DATA, SMALL, 0.55, ("llm.c GPT-2 124M, 8 x A100-80GB", "Megatron-LM GPT 1.7B, 32 x A100-80GB")
     ),
-    Efficiency("A100", MEDIUM, 0.60, ("Megatron-LM GPT 18.4B, 256 x A100-80GB (TP8)",)),
-    Efficiency("A100", math.inf, 0.70, ("Megatron-LM GPT 145.6B, 1536 x A100-80GB (TP8 x PP8)",)),
-    Efficiency("H100", SMALL, 0.49, ("llm.c GPT-2 1.5B, 8 x H100-80GB",)),
+    Efficiency("A100", DATA, math.inf, 0.64, ("MPT 7B, 8 x A100-80GB (FSDP, no checkpointing)",)),
+    Efficiency("A100", MODEL, MEDIUM, 0.60, ("Megatron-LM GPT 18.4B, 256 x A100-80GB (TP8)",)),
+    Efficiency("A100", MODEL, math.inf, 0.70, ("Megatron-LM GPT 145.6B, 1536 x A100-80GB (TP8 x PP8)",)),
+    Efficiency("H100", DATA, SMALL, 0.49, ("llm.c GPT-2 1.5B, 8 x H100-80GB",)),
     Efficiency(
         "H100",
+        DATA,
         MEDIUM,
         0.41,
         ("torchtitan Llama 3.1 8B, 8 x H100 (FSDP)", "MPT 7B, 8 x H100-80GB (FSDP, no checkpointing)"),
     ),
-    Efficiency("H100", math.inf, 0.43, ("torchtitan Llama 3.1 405B, 128 x H100 (FSDP16 x TP8)",)),
+    Efficiency("H100", DATA, math.inf, 0.57, ("MPT 70B, 64 x H100-80GB (FSDP, checkpointing)",)),
+    Efficiency("H100", MODEL, math.inf, 0.51, ("torchtitan Llama 3.1 405B, 128 x H100 (FSDP16 x TP8)",)),
 )
 
 
-def size_class(max_params: float) -> str:
-    return {SMALL: "up to 3B parameters", MEDIUM: "3B to 30B parameters"}.get(
-        max_params, "over 30B parameters"
+def layout_kind(tensor: int, pipeline: int) -> str:
+    """The kind of layout an efficiency is fitted for: `DATA` (tensor = pipeline = 1, at any ZeRO
+    stage, so every row of one plan shares it) or `MODEL`."""
+    return DATA if tensor * pipeline == 1 else MODEL
+
+
+def size_class(e: Efficiency) -> str:
+    """The model sizes an entry covers: above the next smaller entry of its GPU and layout kind."""
+    lower = max(
+        (
+            f.max_params
+            for f in FWD_BWD_EFFICIENCY
+            if (f.gpu, f.layout) == (e.gpu, e.layout) and f.max_params < e.max_params
+        ),
+        default=0.0,
+    )
+    if math.isinf(e.max_params):
+        return f"over {lower / 1e9:g}B parameters" if lower else "any size"
+    return (
+        f"{lower / 1e9:g}B to {e.max_params / 1e9:g}B parameters"
+        if lower
+        else f"up to {e.max_params / 1e9:g}B parameters"
     )
 
 
@@ -489,10 +517,11 @@ def gpu_class(name: str) -> str | None:
     return None
 
 
-def default_efficiency(gpu: str | None, n_params: int) -> tuple[float, str] | None:
+def default_efficiency(gpu: str | None, n_params: int, layout: str = DATA) -> tuple[float, str] | None:
     """The fraction of the peak forward + backward reach for a model of `n_params` on `gpu` (a
-    `gpu_class`), and where it comes from; None for a device the table has no runs for."""
+    `gpu_class`) under a `layout_kind`, and where it comes from; None for a device the table has no
+    runs for."""
     for e in FWD_BWD_EFFICIENCY:
-        if gpu == e.gpu and n_params <= e.max_params:
-            return e.value, f"{gpu}, {size_class(e.max_params)}: from {'; '.join(e.runs)}; see docs/plan.md"
+        if (gpu, layout) == (e.gpu, e.layout) and n_params <= e.max_params:
+            return e.value, f"{gpu}, {layout}, {size_class(e)}: from {'; '.join(e.runs)}; see docs/plan.md"
     return None

@@ -511,3 +511,50 @@ def deepspeed_estimate(
         )
         return float(gpu), float(cpu)
     return None, None
+
+
+def deepspeed_host_reading(
+    n_params: int,
+    largest: int,
+    *,
+    stage: int,
+    world: int,
+    gpus_per_node: int,
+    offload_optimizer: bool,
+    offload_param: bool,
+) -> tuple[float, str] | None:
+    """DeepSpeed's host estimate for a node in bytes (`deepspeed_estimate`), and what its formula counts,
+    as DeepSpeed 0.19.8's `estimate_zero2_model_states_mem_needs` (`zero/stage_1_and_2.py`) and
+    `estimate_zero3_model_states_mem_needs` (`zero/stage3.py`, zero_init) write it; None at stages 0
+    and 1. Each counts its states times `additional_buffer_factor` 1.5, and no process."""
+    nodes = max(1, world // gpus_per_node)
+    per_node = min(world, gpus_per_node)
+    psi = f"{n_params / 1e9:.3g}B"
+    if stage == 2 and not offload_optimizer:
+        return 1.5 * 4 * n_params * per_node, (
+            f"1.5 x 4 bytes x {psi} parameters x {per_node} ranks: an fp32 copy of the whole model on the host "
+            "for each of a node's ranks, as a model built on the CPU takes before it moves to the GPU"
+        )
+    if stage == 2:
+        if 4 * world >= 16:
+            return 1.5 * 4 * n_params * world, (
+                f"1.5 x 4 bytes x {psi} parameters x {world} ranks, max(4 x all ranks, 16) bytes a parameter: "
+                "an fp32 copy of the whole model for every rank of every node, counted on each node"
+            )
+        return 1.5 * 16 * n_params, (
+            f"1.5 x 16 bytes x {psi} parameters, max(4 x all ranks, 16) bytes a parameter: the whole model's "
+            "offloaded fp32 states on one node"
+        )
+    if stage == 3 and not offload_optimizer:
+        return 1.5 * 4 * largest * per_node, (
+            f"1.5 x 4 bytes x {largest / 1e6:.3g}M parameters of the largest layer x {per_node} ranks: "
+            "zero.Init builds the model a layer at a time"
+        )
+    if stage == 3:
+        per = 18 if offload_param else 16
+        what = "fp32 states and 16-bit parameters" if offload_param else "fp32 states"
+        return 1.5 * per * n_params / nodes, (
+            f"1.5 x {per} bytes x {psi} parameters / {nodes} node{'s' if nodes > 1 else ''}: the whole "
+            f"model's offloaded {what}, shared by the nodes"
+        )
+    return None

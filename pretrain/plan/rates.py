@@ -7,6 +7,7 @@ bandwidth, this machine's device; stated assumptions last, each source named in 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -16,14 +17,14 @@ import torch
 
 from pretrain.cluster.hardware import GPU_PEAK_TFLOPS, device_peak_tflops, gpu_peak_tflops
 from pretrain.config.engine_sections import PrecisionConfig
-from pretrain.config.layout import Layout
+from pretrain.config.layout import Layout, layout_of
 from pretrain.config.loading import load_file
 from pretrain.config.tree import RunConfig, analytic_num_params, validate
 from pretrain.errors import ConfigError, DataError
 from pretrain.files import read_csv
-from pretrain.plan.evidence import default_efficiency, gpu_class
-from pretrain.plan.layout import stage_shares
-from pretrain.plan.timing import Rates, comm_seconds, core_share, group_busbw, stage_times
+from pretrain.plan.evidence import DATA, MODEL, default_efficiency, gpu_class, layout_kind
+from pretrain.plan.layout import recomputes, stage_shares
+from pretrain.plan.timing import Rates, core_share, exposed_seconds, group_busbw, stage_times
 
 # Assumed when neither a flag, a previous run nor preflight gives them.
 ASSUMED_MFU = 0.4  # a GPU outside `evidence.FWD_BWD_EFFICIENCY`, or a CPU
@@ -34,6 +35,10 @@ ASSUMED_BUSBW = {"cuda": 100e9, "cuda-multinode": 20e9, "cpu": 1e9}  # bytes/s: 
 ASSUMED_GPU_BUSBW = {"A100": (230e9, 20e9), "H100": (450e9, 40e9)}
 ASSUMED_OPTIMIZER_S = {"cuda": 2e-11, "cpu": 2e-9}  # per parameter: 32 bytes at 1.6 TB/s; a CPU core
 ASSUMED_HOST_OPTIMIZER_S = 1e-9  # DeepSpeedCPUAdam per parameter, a few cores per rank
+# Host <-> GPU copies under offload, bytes/s a GPU: PCIe Gen4 x16 moves 32 GB/s a direction, about 25
+# of it in pinned copies; each GPU assumed on a link of its own (a DGX A100's pair of GPUs a PCIe
+# switch would halve it where both copy at once).
+ASSUMED_PCIE_BW = 25e9
 PREFLIGHT_FILE = "preflight.json"  # where `pretrain preflight` leaves its all-reduce, in the run dir
 
 
@@ -61,10 +66,12 @@ def resolve_rates(
     multinode = world > ranks_per_node
     busbw, src["busbw"] = _busbw(cfg, world, kind, gpu, multinode=multinode, given=busbw_gbs)
     node_busbw, src["node_busbw"] = _node_busbw(busbw, kind, gpu, multinode=multinode, given=node_busbw_gbs)
-    efficiency, src["mfu"] = default_efficiency(gpu, analytic_num_params(cfg.model)) or (
+    layout, n = layout_of(cfg, world), analytic_num_params(cfg.model)
+    efficiency, src["mfu"] = default_efficiency(gpu, n, layout_kind(layout.tensor, layout.pipeline)) or (
         ASSUMED_MFU,
         "assumed",
     )
+    by_kind = {k: e[0] for k in (DATA, MODEL) if (e := default_efficiency(gpu, n, k))}  # for other layouts
     rates = Rates(
         peak_tflops=peak,
         mfu=efficiency,
@@ -75,15 +82,26 @@ def resolve_rates(
         node_busbw=node_busbw,
         ranks_per_node=ranks_per_node,
         cores_per_node=(os.cpu_count() or 1) if kind == "cpu" else None,
+        pcie_bw=None if kind == "cpu" else ASSUMED_PCIE_BW,
+        mfu_by_layout=by_kind or None,
     )
     src["optimizer"] = "assumed"
     mfus = [_calibrate(rates, run_dir) for run_dir in from_runs or []]  # and each the optimizer where it ran
     if mfus:
-        rates.mfu = statistics.fmean(mfus)
+        rates.mfu, rates.mfu_by_layout = statistics.fmean(mfus), None
         rates.sources["mfu"] = "; ".join(f"{r}: forward+backward" for r in from_runs or [])
     if mfu is not None:
-        rates.mfu, src["mfu"] = mfu, "--mfu"
+        rates.mfu, rates.mfu_by_layout, src["mfu"] = mfu, None, "--mfu"
     return rates
+
+
+def rates_for_layout(rates: Rates, tensor: int, pipeline: int) -> Rates:
+    """`rates` for another layout of the same model and GPUs: its kind's efficiency where the MFU is the
+    published runs' default (`Rates.mfu_by_layout`), the same rates where a flag or a run gave it."""
+    kind = layout_kind(tensor, pipeline)
+    if not rates.mfu_by_layout or kind not in rates.mfu_by_layout:
+        return rates
+    return dataclasses.replace(rates, mfu=rates.mfu_by_layout[kind])
 
 
 def _peak(
@@ -181,23 +199,22 @@ def _calibrate(rates: Rates, run_dir: Path) -> float:
     layout = Layout(run.parallel.tensor, run.parallel.pipeline, b.data_parallel_size or 1)
     shares = stage_shares(run, layout)
     heaviest = max(shares, key=lambda sh: sh.params)
-    comm = comm_seconds(
-        run,
-        heaviest.params,
-        stage=z.stage,
-        grad_accum=b.gradient_accumulation_steps,
-        world=layout.data,
-        busbw=group_busbw(rates, layout.tensor * layout.data),
-    )
-    exposed = comm if z.stage < 2 or not z.overlap_comm else 0.0  # inside backward, or hidden by it
     # The measured forward+backward holds the slowest stage's compute and model-parallel
-    # communication, stretched by the bubble: take both out.
+    # communication, stretched by the bubble, and the ZeRO communication compute did not hide: take
+    # them out. What is hidden depends on the compute it is looking for, hence a few rounds.
     slowest = max(range(len(shares)), key=lambda i: shares[i].flops_per_token)
     st = stage_times(run, layout, rates)[slowest]
     stretch = 1 + (layout.pipeline - 1) / b.gradient_accumulation_steps
     # A run whose ranks outnumbered the cores computed at its share of a core: take that out too.
     share = core_share(rates, min(layout.world, rates.ranks_per_node or layout.world))
-    compute = max((fwd_bwd - exposed) * share / stretch - st.tp_comm - st.pp_comm, 1e-9)
+    compute = fwd_bwd
+    for _ in range(8):
+        exposed = exposed_seconds(
+            run, heaviest.params, stage=z.stage, world=layout.data,
+            busbw=group_busbw(rates, layout.tensor * layout.data), compute_s=compute,
+            recompute=bool(recomputes(run, layout.pipeline)),
+        )  # fmt: skip
+        compute = max((fwd_bwd - exposed) * share / stretch - st.tp_comm - st.pp_comm, 1e-9)
     tokens = b.micro_batch_size * b.gradient_accumulation_steps * m.block_size
     per_param = optimizer * share / (heaviest.params if z.stage == 0 else heaviest.params / layout.data)
     if z.offload_optimizer:

@@ -12,11 +12,18 @@ from pretrain.config.layout import Layout, layout_of
 from pretrain.config.mix import mix_names, mix_plan, mix_points
 from pretrain.config.tree import RunConfig, analytic_num_params
 from pretrain.plan.layout import recomputes, stage_shares
-from pretrain.plan.memory import GB, PROCESS_HOST_GB, gradient_comm_bytes
+from pretrain.plan.memory import (
+    GB,
+    PROCESS_HOST_GB,
+    deepspeed_host_reading,
+    gradient_comm_bytes,
+    largest_layer_params,
+)
 from pretrain.plan.search import search_layouts, with_overrides
 from pretrain.plan.stages import Budget, StagePlan, offload_name, plan_budget, plan_stages
 from pretrain.plan.target import Target
 from pretrain.plan.timing import (
+    OVERLAP,
     Rates,
     bubble_fraction,
     elem_bytes,
@@ -152,9 +159,15 @@ def render_plan(cfg: RunConfig, to: Target, rates: Rates | None = None, *, searc
             + (f" | {p.pipeline_stage}" if pp else "")
         )
         lines.append(row.rstrip())
-    lines += [render_legend(cfg, layout), *render_host(cfg, to, plans)]
+    lines += [
+        render_legend(cfg, layout),
+        *render_host(cfg, to, plans),
+        *render_deepspeed_host(cfg, to, plans),
+    ]
     if rates is not None:
         lines += ["", *render_times(cfg, world, rates)]
+        if device_gb is not None:
+            lines += render_pick(cfg, to, rates, plans)
     if device_gb is not None and (search or not any(p.fits and p.host_fits is not False for p in plans)):
         lines += ["", *render_search(cfg, to, rates, fitting=not search, plans=plans)]
     return "\n".join(lines)
@@ -239,6 +252,33 @@ def render_host(cfg: RunConfig, to: Target, plans: list[StagePlan]) -> list[str]
         return [f"host: {need}, of its {_gb(to.host_gb)} GB ({parts})."]
     fixes = "; or ".join(host_fixes(cfg, to, plans, p))
     return [f"host does not fit: {need}, more than its {_gb(to.host_gb)} GB ({parts}). Fix: {fixes}."]
+
+
+def render_deepspeed_host(cfg: RunConfig, to: Target, plans: list[StagePlan]) -> list[str]:
+    """One line: the configured row's host memory a node beside DeepSpeed's estimate (`DS host/node`),
+    and what each counts (`memory.deepspeed_host_reading`); nothing where DeepSpeed gives none."""
+    p = _configured(plans, zero=cfg.zero)
+    if p is None or p.ds_host_gb is None:
+        return []
+    reading = deepspeed_host_reading(
+        p.rank_params, largest_layer_params(cfg), stage=p.stage, world=to.world,
+        gpus_per_node=to.ranks_per_node or min(to.world, 8), offload_optimizer=p.offload != "none",
+        offload_param=p.offload == "optimizer+params",
+    )  # fmt: skip
+    if reading is None:
+        return []
+    _, counts = reading
+    model = (
+        f"{_gb(p.host_model_gb)} model (the host is the CPU ranks' device)"
+        if to.on_cpu
+        else "0 model (built on the GPU, so no rank holds a copy on the host)"
+    )
+    return [
+        f"host vs DeepSpeed: DeepSpeed's {_gb(p.ds_host_gb)} GB a node for ZeRO-{p.stage} {p.offload} (DS host/node) "
+        f"is {counts}; the plan's {_gb(p.host_node_gb)} GB is a node's {p.node_ranks} ranks x ({_gb(p.host_process_gb)} "
+        f"process, which DeepSpeed leaves out + {model} + {_gb(p.host_gb)} offloaded: the rank's own partition), "
+        "with no buffer factor."
+    ]
 
 
 def ranks_a_host(most: int, world: int, tensor: int) -> int:
@@ -340,8 +380,8 @@ def render_times(cfg: RunConfig, world: int, rates: Rates) -> list[str]:
         f"a parameter, {rates.host_optimizer_s_per_param * 1e9:.3g} on the host ({src['optimizer']}).",
     ]
     header = (
-        "ZeRO    offload            compute  TP comm  PP comm   bubble   comm  exposed  optimizer |   step s"
-        " |    tokens/s | days"
+        "ZeRO    offload            compute  TP comm  PP comm   bubble   comm  exposed  optimizer     PCIe |"
+        "   step s |    tokens/s | days"
     )
     lines += [header, "-" * len(header)]
     chosen = (cfg.zero.stage, cfg.zero.offload_optimizer, cfg.zero.offload_param)
@@ -351,7 +391,7 @@ def render_times(cfg: RunConfig, world: int, rates: Rates) -> list[str]:
         lines.append(
             f"{mark}ZeRO-{t.stage:<2} {t.offload:<17} {t.compute_s:>8.3g} {t.tp_comm_s:>8.3g} {t.pp_comm_s:>8.3g} "
             f"{t.bubble_s:>8.3g} {t.comm_s:>6.3g} {t.exposed_comm_s:>8.3g} "
-            f"{t.optimizer_s:>10.3g} | {t.step_s:>8.3g} | {t.tokens_per_s:>11,.0f} | {t.days:.4g}"
+            f"{t.optimizer_s:>10.3g} {t.offload_s:>8.3g} | {t.step_s:>8.3g} | {t.tokens_per_s:>11,.0f} | {t.days:.4g}"
         )
     lines.append(
         (
@@ -361,7 +401,14 @@ def render_times(cfg: RunConfig, world: int, rates: Rates) -> list[str]:
             "steps). "
         )
         + "Seconds per optimizer step on the slowest pipeline stage; comm: ZeRO's over the data-parallel group; "
-        "exposed: the part of it compute does not hide."
+        f"exposed: the part of it compute does not hide ({OVERLAP:.0%} of the phase it is issued in hides it: "
+        "stage 2's reduce-scatters in each micro batch's backward, stage 3's gathers in its forward and backward); "
+        + (
+            f"PCIe: offload's copies between a GPU and its host at {rates.pcie_bw / 1e9:.3g} GB/s (assumed), "
+            "not overlapped."
+            if rates.pcie_bw is not None
+            else "PCIe: none, the host being the device."
+        )
     )
     if times and times[0].core_share < 1:
         ranks = min(world, rates.ranks_per_node or world)
@@ -375,6 +422,60 @@ def render_times(cfg: RunConfig, world: int, rates: Rates) -> list[str]:
     if layout.pipeline > 1:
         lines += _pipeline_lines(cfg, layout, rates)
     return lines
+
+
+def render_pick(cfg: RunConfig, to: Target, rates: Rates, plans: list[StagePlan]) -> list[str]:
+    """One line: the ZeRO stage and offload to pick for this model and these GPUs, and why: the fastest
+    predicted step among the rows that fit the device and the host (within 1% of it, the lowest stage
+    and the least offload), beside the best row of each other stage and what it loses by."""
+    fits = {(p.stage, p.offload): p for p in plans}
+    times = step_times(cfg, to.world, rates)
+    fitting = [
+        t
+        for t in times
+        if fits[(t.stage, t.offload)].fits and fits[(t.stage, t.offload)].host_fits is not False
+    ]
+    if not fitting:
+        return ["pick: none of these stages fits; see the layouts that fit below."]
+    fastest = min(t.step_s for t in fitting)
+    best = min(
+        (t for t in fitting if t.step_s <= fastest * 1.01),
+        key=lambda t: (t.offload != "none", t.offload, t.stage),
+    )
+    mine = fits[(best.stage, best.offload)]
+    gpus = f"{to.world} x {to.device_src.split(': ')[-1]}" if to.device_src else f"{to.world} ranks"
+    others = []
+    for stage in sorted({t.stage for t in times} - {best.stage}):
+        rows = [t for t in times if t.stage == stage]
+        ok = [t for t in rows if t in fitting]
+        if not ok:
+            p = min((fits[(t.stage, t.offload)] for t in rows), key=lambda p: p.device_total_gb)
+            why = (
+                f"does not fit ({_gb(p.device_total_gb)} GB a GPU)"
+                if not p.fits
+                else f"does not fit the host ({_gb(p.host_node_gb)} GB a node)"
+            )
+            others.append(f"ZeRO-{stage} {why}")
+            continue
+        t = min(ok, key=lambda t: t.step_s)
+        parts = {
+            "exposed communication": t.exposed_comm_s - best.exposed_comm_s,
+            "optimizer step": t.optimizer_s - best.optimizer_s,
+            "PCIe copies": t.offload_s - best.offload_s,
+        }
+        cause, extra = max(parts.items(), key=lambda kv: kv[1])
+        because = f" (+{extra:.3g} s {cause})" if extra > 0 and t.step_s > best.step_s else ""
+        others.append(f"ZeRO-{stage} {t.offload} {t.step_s:.3g} s{because}")
+    why = (
+        "it is the fastest that fits"
+        if best.step_s == fastest
+        else "it is the lowest stage and least offload within 1% of the fastest that fits"
+    )
+    return [
+        f"pick: ZeRO-{best.stage} {best.offload} for this model on {gpus}, because {why}: "
+        f"{best.step_s:.3g} s a step, {_gb(mine.device_total_gb)} GB a GPU, {_gb(mine.host_node_gb)} GB of host "
+        f"a node" + (f"; {', '.join(others)}." if others else ".")
+    ]
 
 
 def _tp_comm_line(cfg: RunConfig, layout: Layout, rates: Rates) -> str:
@@ -471,6 +572,7 @@ def plan_json(
         "note": to.note or None,
         "stages": [asdict(p) for p in plans],
         "process_host_gb": PROCESS_HOST_GB["cpu" if to.on_cpu else "cuda"],  # a rank's, assumed
+        "host_vs_deepspeed": next(iter(render_deepspeed_host(cfg, to, plans)), None),
         "host_fixes": host_fixes(cfg, to, plans, mine)
         if mine is not None and mine.host_fits is False
         else [],
@@ -480,6 +582,9 @@ def plan_json(
     if rates is not None:
         out["rates"] = asdict(rates)
         out["step_times"] = [asdict(t) for t in step_times(cfg, to.world, rates)]
+        out["pick"] = (
+            next(iter(render_pick(cfg, to, rates, plans)), None) if to.device_gb is not None else None
+        )
     out["layouts_that_fit"] = None  # searched when nothing fits, or asked
     if to.device_gb is not None and (search or not any(p.fits and p.host_fits is not False for p in plans)):
         found, tried = search_layouts(cfg, to, rates)

@@ -16,6 +16,7 @@ from pretrain.config.loading import deep_merge, parse_override
 from pretrain.config.tree import ModelConfig, RunConfig, validate
 from pretrain.errors import ConfigError
 from pretrain.plan.layout import layout_variants
+from pretrain.plan.rates import rates_for_layout
 from pretrain.plan.stages import offload_name, plan_stages
 from pretrain.plan.target import Target
 from pretrain.plan.timing import Rates, predict_step
@@ -142,7 +143,8 @@ def _layout_option(
     t = None
     if rates is not None:
         off, par = offload != "none", offload == "optimizer+params"
-        t = predict_step(c, to.world, stage=stage, offload_optimizer=off, offload_param=par, rates=rates)
+        mine = rates_for_layout(rates, c.parallel.tensor, c.parallel.pipeline)  # its kind's efficiency
+        t = predict_step(c, to.world, stage=stage, offload_optimizer=off, offload_param=par, rates=mine)
     return LayoutOption(
         overrides=overrides,
         layout=row.layout,

@@ -10,17 +10,30 @@ gradients are summed in fp32, which are then reduced in fp32 too, 2 where they a
 at stage 0, or where deepspeed_extra's communication_data_type says bf16), a parameter in its own (2
 in bf16).
 
-Step time (`predict_step`) adds three parts, per rank:
+Step time (`predict_step`) adds four parts, per rank:
 - compute: the FLOPs of the rank's tokens (6N + attention, `analytic_flops_per_token`, and the
   forward again under activation checkpointing) over the device's peak times the fraction of it
   forward and backward reach;
-- communication left exposed: the bytes above over the all-reduce bus bandwidth (nccl-tests'
-  convention: an all-reduce of X bytes on N ranks takes 2X (N-1)/N / busbw), less what overlaps
-  with compute. DeepSpeed all-reduces after backward at stages 0 and 1 (no overlap); with
-  `overlap_comm` stage 2 reduces buckets during backward (two thirds of compute) and stage 3
-  prefetches parameters during forward and backward (all of it);
+- communication left exposed (`exposed_seconds`): the bytes above over the all-reduce bus bandwidth
+  (nccl-tests' convention: an all-reduce of X bytes on N ranks takes 2X (N-1)/N / busbw), less what
+  the compute phase it is issued in hides. DeepSpeed all-reduces after backward at stages 0 and 1
+  (no overlap), and every stage all-gathers the updated parameters after the optimizer step (no
+  overlap). With `overlap_comm` stage 2 reduce-scatters gradient buckets during each micro batch's
+  backward, and stage 3 all-gathers each micro batch's parameters during its forward (prefetched)
+  and again during its backward, where it also reduce-scatters the gradients. Forward is a third of
+  compute (2 of 6N), a quarter under activation checkpointing (2 of 8N), backward the rest. Only
+  `OVERLAP` of a phase hides communication (assumed, not measured: each pass's first gather and
+  last bucket wait, and the collectives take SMs and memory bandwidth from the kernels they overlap);
+  so a stage 3 whose per-micro-batch traffic over a slow network outlasts that part of its passes
+  shows the rest exposed;
+- under optimizer offload, the copies over PCIe (`offload_seconds`, at `Rates.pcie_bw` a GPU: each
+  GPU its own Gen4 x16 link, 25 GB/s of its 32, not overlapped): the fp32 gradient partition to the
+  host (at stages 1 and 2 once a step, DeepSpeed 0.19.8 copying the summed partition at the
+  accumulation boundary; at stage 3 every micro batch, as stage 3 reduces every micro batch) and the
+  updated 16-bit partition back; under parameter offload the partition comes up for every micro
+  batch's forward and backward instead and stays on the host after the step;
 - the optimizer step over the rank's partition (all parameters at stage 0, 1/N from stage 1), at a
-  per-parameter cost on the device, or on the host under optimizer offload.
+  per-parameter cost on the device, or on the host under optimizer offload (DeepSpeedCPUAdam).
 The rates (`Rates`) come from `rates.resolve_rates`.
 
 Under a layout of tensor (t) x pipeline (p) x data-parallel (d) ranks (`parallel`, `Layout`):
@@ -46,6 +59,12 @@ from pretrain.config.layout import Layout, layout_of
 from pretrain.config.tree import ModelConfig, RunConfig
 from pretrain.plan.layout import StageShare, layout_variants, recomputes, stage_shares
 from pretrain.plan.memory import gradient_comm_bytes
+
+# The part of a compute phase (forward, or backward) that hides the ZeRO communication issued in it,
+# under zero.overlap_comm: assumed (see the module's docstring; docs/zero.md). The published runs bound
+# it from below: torchtitan's FSDP runs on 64 A100s, communication-bound at the 20 GB/s assumed across
+# A100 nodes, fall under 75% of their published tokens/s below 0.8 (docs/plan.md).
+OVERLAP = 0.85
 
 
 def comm_split(n_params: int, stage: int, grad_accum: int) -> tuple[float, float]:
@@ -89,6 +108,8 @@ class Rates:
     node_busbw: float | None = None  # all-reduce bus bandwidth within a node; None: busbw
     ranks_per_node: int | None = None  # which groups stay on one node's bus; None: none is told apart
     cores_per_node: int | None = None  # CPU cores a node's ranks share; None: each rank has its own device
+    pcie_bw: float | None = None  # offload's host <-> GPU copies, bytes/s a GPU; None: the host is the device
+    mfu_by_layout: dict[str, float] | None = None  # the default efficiency by `layout_kind`; None: given
 
 
 def core_share(rates: Rates, ranks: int) -> float:
@@ -116,6 +137,7 @@ class StepTime:
     bubble_fraction: float = 0.0  # (p - 1) / (m + p - 1)
     bubble_s: float = 0.0  # the pipeline filling and draining
     core_share: float = 1.0  # each rank's part of a core when the node's ranks outnumber its cores
+    offload_s: float = 0.0  # host <-> device copies over PCIe under offload (`offload_seconds`)
 
 
 def hardware_flops_per_token(m: ModelConfig) -> float:
@@ -230,22 +252,20 @@ def predict_step(
     pipeline_s = max(st.busy + bubble, statistics.fmean(t.busy for t in times) / share)
     dp = layout.data
     heaviest = max(shares, key=lambda sh: sh.params)  # ZeRO's traffic and the optimizer grow with the shard
-    comm = comm_seconds(
-        cfg,
-        heaviest.params,
-        stage=stage,
-        grad_accum=m_batches,
-        world=dp,
-        busbw=group_busbw(rates, layout.tensor * dp),
-    )
-    window = 0.0
-    if cfg.zero.overlap_comm:
-        window = {2: 2 / 3 * st.compute, 3: st.compute}.get(stage, 0.0)
-    exposed = max(0.0, comm - window)
+    busbw = group_busbw(rates, layout.tensor * dp)
+    comm = comm_seconds(cfg, heaviest.params, stage=stage, grad_accum=m_batches, world=dp, busbw=busbw)
+    exposed = exposed_seconds(
+        cfg, heaviest.params, stage=stage, world=dp, busbw=busbw, compute_s=st.compute,
+        recompute=bool(recomputes(cfg, layout.pipeline)),
+    )  # fmt: skip
     partition = heaviest.params if stage == 0 else heaviest.params / dp
     per_param = rates.host_optimizer_s_per_param if offload_optimizer else rates.optimizer_s_per_param
     optimizer = partition * per_param / share  # every rank steps at once
-    step = pipeline_s + exposed + optimizer
+    offload = offload_seconds(
+        cfg, partition, stage=stage, offload_optimizer=offload_optimizer, offload_param=offload_param,
+        pcie_bw=rates.pcie_bw,
+    )  # fmt: skip
+    step = pipeline_s + exposed + optimizer + offload
     tokens = b.micro_batch_size * m_batches * cfg.model.block_size  # per data-parallel replica
     return StepTime(
         stage=stage,
@@ -254,6 +274,7 @@ def predict_step(
         comm_s=comm,
         exposed_comm_s=exposed,
         optimizer_s=optimizer,
+        offload_s=offload,
         step_s=step,
         tokens_per_s=tokens * dp / step,
         days=step * cfg.total_steps / 86400,
@@ -274,6 +295,56 @@ def comm_seconds(
     if world <= 1:
         return 0.0
     return comm_bytes(cfg, n_params, stage=stage, grad_accum=grad_accum) * (world - 1) / world / busbw
+
+
+def exposed_seconds(
+    cfg: RunConfig, n_params: int, *, stage: int, world: int, busbw: float, compute_s: float, recompute: bool
+) -> float:
+    """What compute does not hide of a step's ZeRO communication (`comm_seconds`) on a rank of `n_params`.
+
+    Stages 0 and 1 reduce after backward, and without `zero.overlap_comm` nothing overlaps: all of it.
+    Every stage gathers the updated parameters after the step (stage 1 and 2 once; stage 3's gathers
+    are its micro batches'). Stage 2 reduce-scatters each micro batch's gradients in its backward;
+    stage 3 gathers each micro batch's parameters in its forward, and again in its backward beside
+    the reduce-scatter. Forward takes 1/3 of `compute_s` (1/4 under `recompute`), and `OVERLAP` of a
+    phase hides what is issued in it."""
+    if world <= 1:
+        return 0.0
+    m = cfg.batch.gradient_accumulation_steps
+    psi, ring = float(n_params), (world - 1) / world / busbw
+    grads = m * psi * gradient_comm_bytes(cfg, stage) * ring  # a micro batch's reduce-scatter, every one
+    params = psi * elem_bytes(cfg.precision.name) * ring  # one all-gather of the parameters
+    if stage < 2 or not cfg.zero.overlap_comm:
+        return comm_seconds(cfg, n_params, stage=stage, grad_accum=m, world=world, busbw=busbw)
+    forward = compute_s * (1 / 4 if recompute else 1 / 3)
+    backward = compute_s - forward
+    if stage == 2:
+        return max(0.0, grads - OVERLAP * backward) + params
+    gathers = m * params  # once a micro batch in forward, and once in backward
+    return max(0.0, gathers - OVERLAP * forward) + max(0.0, gathers + grads - OVERLAP * backward)
+
+
+def offload_seconds(
+    cfg: RunConfig,
+    partition: float,
+    *,
+    stage: int,
+    offload_optimizer: bool,
+    offload_param: bool,
+    pcie_bw: float | None,
+) -> float:
+    """A step's copies between a GPU and its host under offload, for a rank's `partition` of parameters:
+    the fp32 gradient partition down (every micro batch at stage 3, which reduces every one; once a step
+    at stages 1 and 2) and the updated 16-bit partition up, or under parameter offload the 16-bit
+    partition up for every micro batch's forward and backward. Not overlapped with compute; nothing
+    where the host is the device (`pcie_bw` None)."""
+    if not offload_optimizer or pcie_bw is None:
+        return 0.0
+    m = cfg.batch.gradient_accumulation_steps
+    p = elem_bytes(cfg.precision.name)
+    down = 4 * partition * (m if stage == 3 else 1)
+    up = 2 * m * p * partition if offload_param else p * partition
+    return (down + up) / pcie_bw
 
 
 def step_times(cfg: RunConfig, world: int, rates: Rates) -> list[StepTime]:
