@@ -17,7 +17,7 @@ Step time (`predict_step`) adds four parts, per rank:
 - communication left exposed (`exposed_seconds`): the bytes above over the all-reduce bus bandwidth
   (nccl-tests' convention: an all-reduce of X bytes on N ranks takes 2X (N-1)/N / busbw), less what
   the compute phase it is issued in hides. DeepSpeed all-reduces after backward at stages 0 and 1
-  (no overlap), and every stage all-gathers the updated parameters after the optimizer step (no
+  (no overlap), and stages 1 and 2 all-gather the updated parameters after the optimizer step (no
   overlap). With `overlap_comm` stage 2 reduce-scatters gradient buckets during each micro batch's
   backward, and stage 3 all-gathers each micro batch's parameters during its forward (prefetched)
   and again during its backward, where it also reduce-scatters the gradients. Forward is a third of
@@ -238,7 +238,8 @@ def predict_step(
     A step takes the slowest pipeline stage's time (its compute, tensor parallel's all-reduces and its
     sends, all on the critical path: neither AutoTP nor DeepSpeed's pipeline engine overlaps them),
     stretched by the bubble to (m + p - 1) / m of it, then ZeRO's communication over the data-parallel
-    group less what overlaps compute, then the optimizer step over the rank's partition. Ranks that
+    group less what overlaps compute, then the optimizer step over the rank's partition and offload's
+    copies over PCIe. Ranks that
     share a CPU's cores (`core_share` below 1) take at least their mean work over their share of a
     core: the bubble's idle time then goes to the other ranks."""
     layout = layout_of(cfg, world)
@@ -303,8 +304,8 @@ def exposed_seconds(
     """What compute does not hide of a step's ZeRO communication (`comm_seconds`) on a rank of `n_params`.
 
     Stages 0 and 1 reduce after backward, and without `zero.overlap_comm` nothing overlaps: all of it.
-    Every stage gathers the updated parameters after the step (stage 1 and 2 once; stage 3's gathers
-    are its micro batches'). Stage 2 reduce-scatters each micro batch's gradients in its backward;
+    Stages 1 and 2 gather the updated parameters once after the step (stage 3's gathers are its micro
+    batches'). Stage 2 reduce-scatters each micro batch's gradients in its backward;
     stage 3 gathers each micro batch's parameters in its forward, and again in its backward beside
     the reduce-scatter. Forward takes 1/3 of `compute_s` (1/4 under `recompute`), and `OVERLAP` of a
     phase hides what is issued in it."""
