@@ -1,6 +1,6 @@
 """What each ZeRO stage costs, measured: stage x offload x micro batch on N ranks.
 
-    .venv/bin/python benchmarks/zero_stages.py [--nproc 2] [--micro 2,8] [--out benchmarks/results]
+    .venv/bin/python benchmarks/zero_stages.py [--nproc 2] [--micro 2,8] [--out DIR] [--quick] [--budget-gb G]
 
 Starts `torchrun --nproc_per_node N` (gloo on the CPU, NCCL on GPUs) running this file as a worker,
 which trains each variant for a few steps with the real engine (`pretrain.training.distributed.engine`) and measures per
@@ -16,7 +16,12 @@ rank:
 - bytes communicated per step, from DeepSpeed's comms logger, counted as the ZeRO paper counts them
   (an all-reduce of X moves 2X, a reduce-scatter or an all-gather of X moves X), next to 2Ψ or 3Ψ.
 
-Writes `zero_stages.csv`, `zero_stages.png` and `zero_stages.md` (the README's table) to --out.
+Writes `zero_stages.csv`, `zero_stages.png` and `zero_stages.md` (the table docs/zero.md quotes) to --out,
+by default a run directory of its own (`runs/bench/zero_stages-<time>`, which git ignores): the committed
+`benchmarks/results/` changes only when named. Ends with one line, `pick: ZeRO-N ... because ...`: the
+variant that measured the most tokens/s (within 5% of it, run-to-run noise on a shared machine, the lowest
+stage and least offload) among those whose peak fits `--budget-gb`. `--quick`: a 2-layer model of
+n_embd 128, the paper's knobs only, one micro batch, 1 + 2 steps a variant, a few minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 # The model: big enough that its states dwarf allocator noise, small enough for 2 CPU cores.
 SHAPE = ["model.n_layer=6", "model.n_head=12", "model.n_embd=768", "model.block_size=64"]
+QUICK_SHAPE = ["model.n_layer=2", "model.n_head=4", "model.n_embd=128", "model.block_size=64"]  # --quick
 VARIANTS = [  # (stage, offload_optimizer, offload_param)
     (0, False, False),
     (1, False, False),
@@ -84,12 +90,21 @@ VOLUME = {
 
 
 def overrides(
-    stage: int, off: bool, par: bool, micro: int, knobs: str, bucket: int, run_dir: Path, data: Path
+    stage: int,
+    off: bool,
+    par: bool,
+    micro: int,
+    knobs: str,
+    bucket: int,
+    run_dir: Path,
+    data: Path,
+    *,
+    quick: bool = False,
 ) -> list[str]:
     corpus = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
     zero = f", zero_optimization: {{{KNOBS[stage]}}}" if knobs == "paper" and stage in KNOBS else ""
     return [
-        *SHAPE,
+        *(QUICK_SHAPE if quick else SHAPE),
         f"data.corpus={corpus if corpus.is_file() else 'shakespeare'}",
         f"data.dataset_dir={data}",
         f"batch.micro_batch_size={micro}",
@@ -202,7 +217,15 @@ def worker(args: argparse.Namespace) -> None:
     cfg = build(
         "tiny",
         overrides=overrides(
-            stage, bool(off), bool(par), micro, knobs, args.bucket, work / name, work / "data"
+            stage,
+            bool(off),
+            bool(par),
+            micro,
+            knobs,
+            args.bucket,
+            work / name,
+            work / "data",
+            quick=args.quick,
         ),
         world_size=dist.world_size,
     )
@@ -295,7 +318,9 @@ def worker(args: argparse.Namespace) -> None:
 # driver: launch each variant, then compare with the plan
 
 
-def predictions(micro: int, world: int, bucket: int, work: Path) -> dict[tuple[int, str], dict[str, float]]:
+def predictions(
+    micro: int, world: int, bucket: int, work: Path, *, quick: bool = False
+) -> dict[tuple[int, str], dict[str, float]]:
     """`pretrain plan`'s numbers for this shape, everything counted as host memory (a CPU run)."""
     from pretrain.config.presets import build
     from pretrain.config.tree import analytic_num_params
@@ -307,7 +332,7 @@ def predictions(micro: int, world: int, bucket: int, work: Path) -> dict[tuple[i
     cfg = build(
         "tiny",
         overrides=[
-            *overrides(0, False, False, micro, "paper", bucket, work, work / "data"),
+            *overrides(0, False, False, micro, "paper", bucket, work, work / "data", quick=quick),
             f"model.vocab_size={vocab}",
         ],
         world_size=world,
@@ -325,12 +350,14 @@ def predictions(micro: int, world: int, bucket: int, work: Path) -> dict[tuple[i
     return preds
 
 
-def report(out: Path, world: int, bucket: int, work: Path, names: list[str]) -> None:
+def report(
+    out: Path, world: int, bucket: int, work: Path, names: list[str], *, quick: bool, budget_gb: float | None
+) -> None:
     rows = []
     for name in names:
         ranks = json.loads((work / "results" / f"{name}.json").read_text())
         r0 = ranks[0]
-        pred = predictions(r0["micro"], world, bucket, work)[(r0["stage"], r0["offload"])]
+        pred = predictions(r0["micro"], world, bucket, work, quick=quick)[(r0["stage"], r0["offload"])]
         states = max(r["census_gb"] for r in ranks)
         peak = max(r["peak_gb"] for r in ranks)
         comm = max(r["comm_gb_per_step"] for r in ranks)
@@ -369,9 +396,53 @@ def report(out: Path, world: int, bucket: int, work: Path, names: list[str]) -> 
             f"{r['peak_gb']:.3f} ({r['peak_plan_gb']:.3f}) | {r['comm_gb']:.3f} ({r['comm_theory_gb']:.3f}) | "
             f"{r['comm_err_pct']:+.1f}% |"
         )
+    lines += ["", pick(rows, world, budget_gb)]
     (out / "zero_stages.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(rows, out / "zero_stages.png", world)
+    print(f"wrote {out}/zero_stages.{{csv,md,png}}")
+
+
+def pick(rows: list[dict[str, Any]], world: int, budget_gb: float | None) -> str:
+    """One line: the stage to pick from the measured rows (the paper's knobs), and why: the most
+    tokens/s among the rows whose peak fits `budget_gb` (within 5% of it, the lowest stage and least
+    offload), beside the best row of each other stage."""
+    measured = [r for r in rows if r["knobs"] == "paper"] or rows
+    fitting = [r for r in measured if budget_gb is None or r["peak_gb"] <= budget_gb]
+    if not fitting:
+        least = min(measured, key=lambda r: r["peak_gb"])
+        return (
+            f"pick: none; every variant's peak is over {budget_gb} GB a rank, the least ZeRO-{least['stage']} "
+            f"{least['offload']} at {least['peak_gb']:.3f} GB"
+        )
+    most = max(r["tokens_per_s"] for r in fitting)
+    best = min(
+        (r for r in fitting if r["tokens_per_s"] >= 0.95 * most),
+        key=lambda r: (r["offload"] != "none", r["offload"], r["stage"]),
+    )
+    fits = f"whose peak fits {budget_gb} GB a rank" if budget_gb is not None else "measured"
+    why = (
+        "the most tokens/s"
+        if best["tokens_per_s"] == most
+        else "the lowest stage within 5% of the most tokens/s"
+    )
+    others = []
+    for stage in sorted({r["stage"] for r in measured} - {best["stage"]}):
+        ok = [r for r in fitting if r["stage"] == stage]
+        if not ok:
+            others.append(f"ZeRO-{stage} over the budget")
+            continue
+        r = max(ok, key=lambda r: r["tokens_per_s"])
+        others.append(
+            f"ZeRO-{stage} {r['offload']} {r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s'] / best['tokens_per_s'] - 1:+.0%}), "
+            f"{r['peak_gb']:.3f} GB"
+        )
+    return (
+        f"pick: ZeRO-{best['stage']} {best['offload']} (micro {best['micro']}) for this model on {world} ranks, "
+        f"because it has {why} of the variants {fits}: {best['tokens_per_s']:,.0f} tokens/s, peak "
+        f"{best['peak_gb']:.3f} GB a rank, model states {best['states_gb']:.3f} GB"
+        + (f"; {', '.join(others)}." if others else ".")
+    )
 
 
 def plot(rows: list[dict[str, Any]], path: Path, world: int) -> None:
@@ -446,7 +517,19 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="Unmeasured steps per variant.")
     ap.add_argument("--steps", type=int, default=2, help="Measured steps per variant.")
     ap.add_argument("--bucket", type=int, default=2_000_000, help="ZeRO reduce/allgather bucket (elements).")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="Output directory.")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="Output directory (default: runs/bench/zero_stages-<time>; the committed one is benchmarks/results).",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="A 2-layer model, the paper's knobs, one micro batch, 1 + 2 steps.",
+    )
+    ap.add_argument(
+        "--budget-gb", type=float, default=None, help="Peak GB a rank a variant must fit to be picked."
+    )
     ap.add_argument(
         "--work", default=str(Path(tempfile.gettempdir()) / "zero_stages"), help="Data and scratch directory."
     )
@@ -460,19 +543,26 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    out, work = Path(args.out), Path(args.work)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out) if args.out else ROOT / "runs" / "bench" / f"zero_stages-{stamp}"
+    work = Path(args.work) / (
+        "quick" if args.quick else "full"
+    )  # a quick sweep leaves the full one's results
     out.mkdir(parents=True, exist_ok=True)
     (work / "results").mkdir(parents=True, exist_ok=True)
+    if args.quick:
+        args.micro, args.warmup, args.steps = args.micro.split(",")[0], 1, 2
     micros = [int(m) for m in args.micro.split(",")]
     runs = [(v, m, "paper") for m in micros for v in VARIANTS]
-    runs += [((s, False, False), micros[0], "default") for s in (1, 2, 3)]
+    if not args.quick:
+        runs += [((s, False, False), micros[0], "default") for s in (1, 2, 3)]
     names = [variant_name(*v, m, k) for v, m, k in runs]
     if not args.report_only:
         from pretrain.config.presets import build
         from pretrain.data.prepare import prepare
 
         data_cfg = build(
-            "tiny", overrides=overrides(0, False, False, 1, "paper", 1, work, work / "data")
+            "tiny", overrides=overrides(0, False, False, 1, "paper", 1, work, work / "data", quick=args.quick)
         ).data
         prepare(data_cfg, force=True)  # the scratch copy follows the current data format
         env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), OMP_NUM_THREADS="1")
@@ -485,13 +575,13 @@ def main() -> None:
                 "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), __file__, "--worker",
                 "--variant", f"{stage},{int(off)},{int(par)}", "--micro", str(micro), "--knobs", knobs,
                 "--warmup", str(args.warmup), "--steps", str(args.steps), "--bucket", str(args.bucket),
-                "--work", str(work), "--show", str(args.show),
+                "--work", str(work), "--show", str(args.show), *(["--quick"] if args.quick else []),
             ]  # fmt: skip
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             lines = [line for line in proc.stdout.splitlines() if line.startswith(("zero", "  census"))]
             print("\n".join(lines) or proc.stdout[-3000:] + proc.stderr[-3000:], flush=True)
             proc.check_returncode()
-    report(out, args.nproc, args.bucket, work, names)
+    report(out, args.nproc, args.bucket, work, names, quick=args.quick, budget_gb=args.budget_gb)
 
 
 if __name__ == "__main__":

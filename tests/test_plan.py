@@ -406,3 +406,34 @@ def test_plan_knows_the_llama_shape(capsys):
         f"llama-tiny: {analytic_num_params(build('llama-tiny', overrides=['model.vocab_size=65']).model) / 1e6:.2f}M parameters"
     )
     assert ", llama, 2 layers" in text.splitlines()[0]
+
+
+def test_the_zero_stages_benchmark_picks_from_its_measured_rows():
+    """benchmarks/zero_stages.py's pick line: the most tokens/s among the rows that fit the budget, the
+    lowest stage within 5% of it, the default knobs' rows left out."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "zero_stages.py"
+    spec = importlib.util.spec_from_file_location("zero_stages", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def row(stage: int, offload: str, tokens: float, peak: float, knobs: str = "paper") -> dict:
+        return {"stage": stage, "offload": offload, "micro": 2, "knobs": knobs, "tokens_per_s": tokens,
+                "peak_gb": peak, "states_gb": peak / 2}  # fmt: skip
+
+    rows = [row(0, "none", 80, 1.0), row(1, "none", 98, 0.8), row(2, "none", 100, 0.6), row(3, "none", 50, 0.5),
+            row(3, "none", 500, 0.5, knobs="default")]  # fmt: skip
+    line = bench.pick(rows, 2, None)
+    assert line.startswith(
+        "pick: ZeRO-1 none (micro 2) for this model on 2 ranks, because it has the lowest stage"
+    )
+    assert "ZeRO-2 none 100 tokens/s (+2%)" in line and "ZeRO-3 none 50 tokens/s (-49%)" in line
+    within = bench.pick(rows, 2, 0.7)  # ZeRO-0 and 1 peak over 0.7 GB
+    assert within.startswith(
+        "pick: ZeRO-2 none (micro 2) for this model on 2 ranks, because it has the most tokens/s"
+    )
+    assert "ZeRO-0 over the budget" in within and "ZeRO-3 none 50 tokens/s (-50%)" in within
+    assert bench.pick(rows, 2, 0.1).startswith("pick: none; every variant's peak is over 0.1 GB a rank")

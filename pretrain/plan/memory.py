@@ -529,10 +529,11 @@ def deepspeed_host_reading(
     and 1. Each counts its states times `additional_buffer_factor` 1.5, and no process."""
     nodes = max(1, world // gpus_per_node)
     per_node = min(world, gpus_per_node)
-    psi = f"{n_params / 1e9:.3g}B"
+    psi = f"{n_params / 1e9:.3g}B" if n_params >= 1e9 else f"{n_params / 1e6:.3g}M"
     if stage == 2 and not offload_optimizer:
         return 1.5 * 4 * n_params * per_node, (
-            f"1.5 x 4 bytes x {psi} parameters x {per_node} ranks: an fp32 copy of the whole model on the host "
+            f"1.5 x 4 bytes x {psi} parameters x {per_node} rank{'s' if per_node > 1 else ''}: an fp32 copy of the "
+            "whole model on the host "
             "for each of a node's ranks, as a model built on the CPU takes before it moves to the GPU"
         )
     if stage == 2:
@@ -547,7 +548,8 @@ def deepspeed_host_reading(
         )
     if stage == 3 and not offload_optimizer:
         return 1.5 * 4 * largest * per_node, (
-            f"1.5 x 4 bytes x {largest / 1e6:.3g}M parameters of the largest layer x {per_node} ranks: "
+            f"1.5 x 4 bytes x {largest / 1e6:.3g}M parameters of the largest layer x {per_node} "
+            f"rank{'s' if per_node > 1 else ''}: "
             "zero.Init builds the model a layer at a time"
         )
     if stage == 3:

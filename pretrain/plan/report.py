@@ -275,7 +275,8 @@ def render_deepspeed_host(cfg: RunConfig, to: Target, plans: list[StagePlan]) ->
     )
     return [
         f"host vs DeepSpeed: DeepSpeed's {_gb(p.ds_host_gb)} GB a node for ZeRO-{p.stage} {p.offload} (DS host/node) "
-        f"is {counts}; the plan's {_gb(p.host_node_gb)} GB is a node's {p.node_ranks} ranks x ({_gb(p.host_process_gb)} "
+        f"is {counts}; the plan's {_gb(p.host_node_gb)} GB is a node's {p.node_ranks} rank{'s' if p.node_ranks > 1 else ''} "
+        f"x ({_gb(p.host_process_gb)} "
         f"process, which DeepSpeed leaves out + {model} + {_gb(p.host_gb)} offloaded: the rank's own partition), "
         "with no buffer factor."
     ]
