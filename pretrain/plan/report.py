@@ -444,7 +444,14 @@ def render_pick(cfg: RunConfig, to: Target, rates: Rates, plans: list[StagePlan]
         key=lambda t: (t.offload != "none", t.offload, t.stage),
     )
     mine = fits[(best.stage, best.offload)]
-    gpus = f"{to.world} x {to.device_src.split(': ')[-1]}" if to.device_src else f"{to.world} ranks"
+    gpus = (
+        f"{to.world} CPU ranks"
+        if to.on_cpu
+        else f"{to.world} x {to.device_src.split(': ')[-1]}"
+        if to.device_src
+        else f"{to.world} ranks"
+    )
+    a_device = "a rank" if to.on_cpu else "a GPU"
     others = []
     for stage in sorted({t.stage for t in times} - {best.stage}):
         rows = [t for t in times if t.stage == stage]
@@ -452,7 +459,7 @@ def render_pick(cfg: RunConfig, to: Target, rates: Rates, plans: list[StagePlan]
         if not ok:
             p = min((fits[(t.stage, t.offload)] for t in rows), key=lambda p: p.device_total_gb)
             why = (
-                f"does not fit ({_gb(p.device_total_gb)} GB a GPU)"
+                f"does not fit ({_gb(p.device_total_gb)} GB {a_device})"
                 if not p.fits
                 else f"does not fit the host ({_gb(p.host_node_gb)} GB a node)"
             )
@@ -474,7 +481,7 @@ def render_pick(cfg: RunConfig, to: Target, rates: Rates, plans: list[StagePlan]
     )
     return [
         f"pick: ZeRO-{best.stage} {best.offload} for this model on {gpus}, because {why}: "
-        f"{best.step_s:.3g} s a step, {_gb(mine.device_total_gb)} GB a GPU, {_gb(mine.host_node_gb)} GB of host "
+        f"{best.step_s:.3g} s a step, {_gb(mine.device_total_gb)} GB {a_device}, {_gb(mine.host_node_gb)} GB of host "
         f"a node" + (f"; {', '.join(others)}." if others else ".")
     ]
 
