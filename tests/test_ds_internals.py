@@ -108,3 +108,45 @@ def test_skip_shm_comm_op_leaves_a_callable_that_builds_nothing():
         assert ds_torch.build_shm_op() is None
     finally:
         ds_torch.build_shm_op = before
+
+
+# The DeepSpeed versions the distributed tier (`pytest -m distributed`) was run on, with torch 2.13.0
+# (docs/dependencies.md). pyproject.toml's range starts at the oldest that passed and stops below the
+# next minor version.
+CHECKED_VERSIONS = {
+    "0.19.8": "passes",
+    "0.19.0": "fails: AutoTP has no vocab_parallel_lm_head (tensor parallel); ZeRO-3 resume and accumulation differ",
+    "0.18.9": "fails: ZeRO-1/2's all-gather writes into a view of torch.split (torch 2.13 refuses it)",
+    "0.17.6": "not run past tests/test_distributed.py (passes), below 0.19.0",
+    "0.16.9": "fails: no CheckpointCommitInfo (deepspeed.runtime.checkpoint_engine)",
+}
+
+
+def test_pyprojects_deepspeed_range_is_the_tested_one():
+    import re
+
+    from packaging.version import Version
+
+    spec = re.findall(r'^\s*"(deepspeed[<>=].*)",', (PACKAGE.parent / "pyproject.toml").read_text(), re.M)[0]
+    passed = sorted((Version(v) for v, said in CHECKED_VERSIONS.items() if said == "passes"))
+    below = Version(f"{passed[-1].major}.{passed[-1].minor + 1}")
+    assert spec == f"deepspeed>={passed[0]},<{below.major}.{below.minor}"
+    assert (
+        ds_internals.CHECKED_ON in CHECKED_VERSIONS and CHECKED_VERSIONS[ds_internals.CHECKED_ON] == "passes"
+    )
+
+
+def test_the_installed_deepspeed_is_in_the_tested_range():
+    """Fails on a DeepSpeed outside pyproject.toml's range, as `pretrain` refuses to run on it."""
+    from pretrain.cluster import environment
+
+    installed, spec = environment.deepspeed_range()
+    assert installed is not None and spec == ">=0.19.8,<0.20", (installed, spec)
+    assert environment.deepspeed_problem(installed, spec) is None
+    said = environment.deepspeed_problem("0.18.9", spec)
+    assert said == (
+        "DeepSpeed 0.18.9 is installed, and pretrain is tested on deepspeed>=0.19.8,<0.20 (docs/dependencies.md): "
+        "pip install 'deepspeed>=0.19.8,<0.20', or set PRETRAIN_UNTESTED_DEEPSPEED=1 to run on 0.18.9 anyway"
+    )
+    assert environment.deepspeed_problem("0.20.0", spec) is not None
+    assert environment.deepspeed_problem("0.19.9+cu128", spec) is None

@@ -1,5 +1,7 @@
-"""The environment DeepSpeed and torch read, checked before either is imported: an empty or malformed
-value is one line naming the variable and the fix, instead of DeepSpeed's traceback from deep inside an
+"""The environment DeepSpeed and torch read, and the DeepSpeed installed, checked before either is
+imported. An empty or malformed value is one line naming the variable and the fix, and a DeepSpeed
+outside the range the suite passes on (pyproject.toml, docs/dependencies.md) is one line naming the
+range, instead of DeepSpeed's traceback from deep inside an
 import (`DS_ACCELERATOR=`, as `export DS_ACCELERATOR=$X` leaves it with X unset, is a ValueError from
 `get_accelerator()`; `MASTER_PORT=abc` a ValueError from the rendezvous).
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping
 
 from pretrain.errors import PretrainError
@@ -96,6 +99,47 @@ def _build_switch(value: str) -> str | None:
     return f"{what}: DeepSpeed's build switches take 0 or 1 (1 builds the op at install), or unset it"
 
 
+UNTESTED_OK = "PRETRAIN_UNTESTED_DEEPSPEED"  # =1: run on a DeepSpeed outside the tested range
+
+
+def deepspeed_range() -> tuple[str | None, str | None]:
+    """The installed DeepSpeed's version and the range pretrain requires of it (its own metadata,
+    from pyproject.toml), each None where it is not to be had (an uninstalled checkout)."""
+    from importlib.metadata import PackageNotFoundError, requires, version
+
+    try:
+        installed: str | None = version("deepspeed")
+    except PackageNotFoundError:
+        installed = None
+    try:
+        reqs = requires("pretrain") or []
+    except PackageNotFoundError:
+        reqs = []
+    spec = next((r[len("deepspeed") :].strip() for r in reqs if re.match(r"deepspeed\s*[<>=!~]", r)), None)
+    if spec:  # the lower bound first, as pyproject.toml says it (the metadata sorts them)
+        spec = ",".join(sorted((p.strip() for p in spec.split(",")), key=lambda p: not p.startswith(">")))
+    return installed, spec
+
+
+def deepspeed_problem(installed: str | None, spec: str | None) -> str | None:
+    """Why `installed` is not a DeepSpeed the suite passes on, with the fix; None where it is (or
+    either is unknown)."""
+    if installed is None or not spec:
+        return None
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        if Version(installed) in SpecifierSet(spec, prereleases=True):
+            return None
+    except InvalidVersion:
+        pass
+    return (
+        f"DeepSpeed {installed} is installed, and pretrain is tested on deepspeed{spec} (docs/dependencies.md): "
+        f"pip install 'deepspeed{spec}', or set {UNTESTED_OK}=1 to run on {installed} anyway"
+    )
+
+
 def problems(env: Mapping[str, str] | None = None) -> list[str]:
     """Every variable that is set to a value DeepSpeed or torch cannot use, one line each, in a fixed
     order; an unset variable is never a problem."""
@@ -123,11 +167,23 @@ def problems(env: Mapping[str, str] | None = None) -> list[str]:
         why = _build_switch(env[name])
         if why:
             found.append(f"{name} {why}")
-    return [f"environment: {p}" for p in found]
+    found = [f"environment: {p}" for p in found]
+    untested = deepspeed_problem(*deepspeed_range())
+    if untested and env.get(UNTESTED_OK) != "1":
+        found.append(untested)
+    return found
 
 
 def check(env: Mapping[str, str] | None = None) -> None:
-    """Raise one error listing every variable DeepSpeed or torch would fail on."""
+    """Raise one error listing every variable DeepSpeed or torch would fail on, and a DeepSpeed outside
+    the tested range (a note instead where PRETRAIN_UNTESTED_DEEPSPEED=1 lets it run)."""
+    env = os.environ if env is None else env
     found = problems(env)
+    untested = deepspeed_problem(*deepspeed_range())
+    if untested and env.get(UNTESTED_OK) == "1" and env.get("RANK", "0") == "0":
+        print(
+            f"note: {untested.split(': pip install')[0]}; running on it, as {UNTESTED_OK}=1 asks",
+            file=sys.stderr,
+        )
     if found:
         raise EnvironmentVariableError(found)
