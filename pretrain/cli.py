@@ -741,7 +741,9 @@ def cmd_hostfile(args: argparse.Namespace) -> int:
         print(format_hostfile(hosts), end="")
         # The verdict beside the hostfile itself, which stdout keeps exactly (it is a hostfile).
         n = len(hosts)
-        print(f"{args.path}: {n} host{'s' if n != 1 else ''}, {world_size(hosts)} slots, valid", file=sys.stderr)
+        print(
+            f"{args.path}: {n} host{'s' if n != 1 else ''}, {world_size(hosts)} slots, valid", file=sys.stderr
+        )
     return 0
 
 

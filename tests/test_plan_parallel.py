@@ -186,9 +186,7 @@ def test_when_nothing_fits_the_layouts_that_do_are_listed_as_overrides(capsys):
     ],
 )
 def test_the_llama_presets_fit_their_layout(preset, hostfile, layout, capsys):
-    plan = json.loads(
-        plan_text(capsys, preset, "--hostfile", str(hostfile), "--gpu", "A100-80GB", "--json")
-    )
+    plan = json.loads(plan_text(capsys, preset, "--hostfile", str(hostfile), "--gpu", "A100-80GB", "--json"))
     cfg = build(preset)
     mine = next(s for s in plan["stages"] if s["stage"] == cfg.zero.stage and s["offload"] == "none")
     assert mine["layout"] == layout and mine["fits"] is True
