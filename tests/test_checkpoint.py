@@ -523,3 +523,7 @@ def test_resume_refuses_another_arch_and_reads_model_fields_it_lacks_as_their_de
     untied = RunConfig.model_validate({"model": {"vocab_size": 65, "tie_embeddings": False}})
     with pytest.raises(DataError, match=r"model\.tie_embeddings: checkpoint has True, this run has False"):
         resume.check_compatible(old, untied, [ds], warn=False)
+    # A llama checkpoint written while its activation was recorded as "gelu" (it meant SwiGLU) resumes.
+    recorded = {**llama.model.model_dump(mode="json"), "activation": "gelu"}
+    meta_llama = {**meta, "config": {"model": recorded}}
+    resume.check_compatible(resume.Checkpoint(tmp_path, "step_00000002", meta_llama), llama, [ds], warn=False)

@@ -243,6 +243,8 @@ def test_generate_top_k_one_is_greedy() -> None:
 def test_llama_defaults_and_rules() -> None:
     cfg = make_cfg(arch="llama")
     assert (cfg.bias, cfg.position, cfg.kv_heads, cfg.ffn_hidden) == (False, "rope", 2, 128)  # 8/3*32 → 128
+    assert cfg.activation == "swiglu" and make_cfg().activation == "gelu"
+    assert make_cfg(arch="llama", activation="gelu").activation == "swiglu"  # as recorded before swiglu
     assert make_cfg(arch="llama", n_embd=768, n_head=12).ffn_hidden == 2048  # 8/3*768 = 2048
     assert make_cfg().ffn_hidden == 4 * 32
     for bad, message in [
@@ -250,6 +252,8 @@ def test_llama_defaults_and_rules() -> None:
         (dict(arch="llama", position="learned"), "arch llama uses rotary positions"),
         (dict(arch="llama", n_head=4, n_kv_head=3), "must divide n_head"),
         (dict(n_kv_head=1), "grouped-query attention: set model.arch=llama"),
+        (dict(activation="swiglu"), "swiglu is llama's MLP: set model.arch=llama"),
+        (dict(arch="llama", activation="gelu_tanh"), "arch llama's MLP is SwiGLU"),
     ]:
         with pytest.raises(ValueError, match=message):
             make_cfg(**bad)

@@ -204,6 +204,6 @@ def model_fields(c: dict[str, Any], arch: str) -> tuple[dict[str, Any], list[str
         "rotary_pct": 1.0,
         "parallel_residual": False,
         "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
-        "activation": "gelu",
+        "activation": "swiglu",
         "norm_eps": eps_of(c.get("rms_norm_eps", 1e-6)),
     }, problems

@@ -130,10 +130,10 @@ class ModelConfig(Section):
     activation_checkpointing: bool = Field(
         False, description="Recompute each block's activations in backward to save memory."
     )
-    activation: Literal["gelu", "gelu_tanh"] = Field(
+    activation: Literal["gelu", "gelu_tanh", "swiglu"] = Field(
         "gelu",
-        description="gpt2's MLP activation: exact (erf) GELU, or its tanh approximation (GPT-2's original "
-        "'gelu_new'). llama's MLP is SwiGLU.",
+        description="The MLP's activation: gpt2's exact (erf) GELU (its default) or GELU's tanh approximation "
+        "(GPT-2's original 'gelu_new'); llama's SwiGLU (its default and only choice).",
     )
     norm_eps: float = Field(
         1e-5,
@@ -163,9 +163,12 @@ class ModelConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _arch_defaults(cls, data: Any) -> Any:
-        """llama has no biases and rotary positions: those are its defaults for fields not given."""
+        """llama has no biases, rotary positions and a SwiGLU MLP: those are its defaults for fields not
+        given. A llama recorded with activation "gelu" (a run directory or checkpoint written before the
+        field named llama's MLP) is the same model: it reads as swiglu."""
         if isinstance(data, dict) and data.get("arch") == "llama":
             data = {"bias": False, "position": "rope", **data}
+            data["activation"] = swiglu_if_recorded_gelu("llama", data.get("activation", "swiglu"))
         return data
 
     @property
@@ -229,9 +232,18 @@ class ModelConfig(Section):
             problems.append("arch llama has no biases: set model.bias=false (or leave it unset)")
         if self.arch == "llama" and self.position != "rope":
             problems.append("arch llama uses rotary positions: set model.position=rope (or leave it unset)")
-        if self.arch == "llama" and self.activation != "gelu":
+        if self.arch == "llama" and self.activation != "swiglu":
             problems.append("arch llama's MLP is SwiGLU: model.activation is gpt2's, leave it unset")
+        if self.arch == "gpt2" and self.activation == "swiglu":
+            problems.append(
+                "model.activation swiglu is llama's MLP: set model.arch=llama, or model.activation=gelu or gelu_tanh"
+            )
         return problems
+
+
+def swiglu_if_recorded_gelu(arch: Any, activation: Any) -> Any:
+    """A llama's activation as recorded before "swiglu" was a value: "gelu" there meant SwiGLU."""
+    return "swiglu" if arch == "llama" and activation == "gelu" else activation
 
 
 def required_vocab_size(cfg: ModelConfig) -> int:

@@ -17,7 +17,7 @@ import torch
 
 from pretrain.config.engine_sections import PrecisionConfig
 from pretrain.config.layout import Layout
-from pretrain.config.tree import RunConfig
+from pretrain.config.tree import RunConfig, swiglu_if_recorded_gelu
 from pretrain.data.dataset import Dataset, datasets_sha256
 from pretrain.errors import CheckpointError, DataError
 from pretrain.files import fsync_dir
@@ -268,6 +268,8 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], 
     for key, value in cfg.model.model_dump(mode="json").items():
         # a field newer than the checkpoint had its default then (every such default is the old model)
         saved = saved_model.get(key, type(cfg.model).model_fields[key].default)
+        if key == "activation":
+            saved = swiglu_if_recorded_gelu(saved_model.get("arch"), saved)
         # init_from only starts a run: a resume takes the checkpoint's weights, wherever they came from
         # document_eot (data.document_mask) changes what attends to what, not one weight: a run may
         # turn document masks on (or off) at a resume, and is told so below
