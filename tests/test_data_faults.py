@@ -219,7 +219,8 @@ def test_a_dataset_with_other_settings_names_both_choices_and_force_says_what_it
     assert plain.returncode == 2 and len(plain.stderr.splitlines()) == 1 and "Traceback" not in plain.stderr
     m = re.fullmatch(
         r"error: data/plays-gpt2: holds a dataset prepared with other settings \(data\.clean\.near_dedup: true "
-        r"there, false now\)\. To keep it, give this one a directory of its own: --set "
+        r"there, false now\)\. To read it as it is, repeat its settings: --set data\.clean\.near_dedup=true; "
+        r"to keep it, give this one a directory of its own: --set "
         r"data\.dataset_dir=(data/plays-gpt2-[0-9a-f]{8}) \(in `pretrain train` too\); to replace it, run "
         r"`pretrain data prepare --force` \(runs trained on it then no longer resume on their data\)\n",
         plain.stderr,
@@ -490,3 +491,30 @@ def test_a_linked_dataset_dir_is_written_through_the_link_which_is_kept(tmp_path
     ):
         done = pretrain([*args, f"--set=data.dataset_dir={tmp_path / link}"], tmp_path)
         assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and why in done.stderr, done.stderr
+
+
+def test_the_lock_file_goes_with_the_last_reader_and_a_killed_readers_with_the_next(tmp_path):
+    from pretrain.data.dataset import dataset_lock
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    lock_file = dataset_lock(ds).path
+    hold = (
+        "import sys, time; from pathlib import Path; from pretrain.data.dataset import dataset_lock; "
+        "dataset_lock(Path(sys.argv[1])).acquire(exclusive=False); print('held', flush=True); time.sleep(60)"
+    )
+    other = subprocess.Popen([sys.executable, "-c", hold, str(ds)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None and other.stdout.readline() == "held\n"
+        mine = dataset_lock(ds)
+        assert mine.acquire(exclusive=False)
+        mine.release()  # another reader holds it: the file stays for it
+        assert lock_file.is_file()
+    finally:
+        other.kill()  # kill -9: the kernel drops its lock, the file is left
+        other.wait()
+    assert lock_file.is_file() and lock_file.read_text() == ""
+    later = dataset_lock(ds)
+    assert later.acquire(exclusive=True)  # a killed reader's file holds nothing up
+    later.release()
+    assert not lock_file.exists()  # and the next one to drop the lock removes it

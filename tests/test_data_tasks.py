@@ -8,6 +8,7 @@ import gzip
 import json
 import random
 import re
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from pretrain.data.prepare import prepare
 from pretrain.data.shards import open_shard
 from pretrain.data.tasks import FAULT_KILL, _buckets, near_removed, work_dir
 from pretrain.errors import ConfigError, DataError
-from tests.conftest import GPT2_DIR, TINY_SHAKESPEARE
+from tests.conftest import GPT2_DIR, TINY_SHAKESPEARE, cli
 
 WORDS = [f"w{i}" for i in range(2000)]
 
@@ -230,3 +231,34 @@ def test_a_damaged_hand_off_is_named_in_one_error(corpus, tmp_path, monkeypatch)
     assert "run the prepare again" in str(e.value)
     assert not out.exists()
     assert not list(work_dir(out).rglob("*.pkl"))
+
+
+def test_train_reads_a_four_task_dataset_without_the_tasks_flag(corpus, tmp_path):
+    # docs/data.md's prepare as tasks, made by `train` itself; then train again as a user would, with the
+    # same corpus and tokenizer and none of the prepare-only settings.
+    model = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32",
+             "batch.micro_batch_size=2", "schedule.max_steps=2", "schedule.warmup_steps=1",
+             "logging.eval_interval=2", "logging.eval_batches=1", "logging.sample_tokens=0"]  # fmt: skip
+    data = {
+        k: v
+        for k, v in data_config(corpus[0], tmp_path / "ds").items()
+        if k not in ("chunk_bytes", "workers")
+    }
+    same = [f"data.{k}={v}" for k, v in data.items() if k != "clean"] + ["data.clean.near_dedup=true"]
+
+    def train(run: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        sets = [*model, *same, f"logging.run_dir={tmp_path / run}", *extra]
+        return cli("train", *(a for s in sets for a in ("--set", s)), cwd=tmp_path)
+
+    first = train("run1", "data.tasks=4", "data.executor=local", "data.workers=2", "data.chunk_bytes=8192")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    # what `data prepare` prints: the counts of what was removed, then the dataset
+    assert re.search(r"^removed:  exact_duplicate \d+ docs .*near_duplicate \d+ docs", first.stdout, re.M)
+    assert f"dataset ready in {tmp_path / 'ds'}: train " in first.stdout
+    second = train("run2")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "was prepared as 4 tasks (data.tasks=4); it is read as it is" in second.stderr
+    assert "preparing" not in second.stdout and "step 2" in second.stdout
+    other = train("run3", "data.clean.near_dedup=false")
+    assert other.returncode == 2 and "Traceback" not in other.stderr
+    assert "To read it as it is, repeat its settings: --set data.clean.near_dedup=true; " in other.stderr

@@ -52,6 +52,12 @@ NOT_OUTPUT_FIELDS = frozenset(
 )
 
 
+# Recorded settings that cut a dataset into shards without changing its documents or tokens (with
+# data.tasks, each task's run ends a shard; data.chunk_bytes cuts the runs): a finished dataset is
+# read whatever they were. They stay in the manifest (and key a prepare's tasks, `work_key`), and are
+# left out of what makes a dataset this one.
+LAYOUT_FIELDS = ("tasks", "chunk_bytes")
+
 # Output fields that older manifests lack: left out of the comparison while at their defaults.
 _NEW_OUTPUT_DEFAULTS: dict[str, Any] = {"hf_config": None, "hf_split": "train", "tasks": None}
 
@@ -143,12 +149,41 @@ def _corpus_key(corpus: Any) -> Any:
     return corpus
 
 
+def identity(config: dict[str, Any]) -> dict[str, Any]:
+    """A recorded output config without its layout (`LAYOUT_FIELDS`): what makes a dataset this one."""
+    return {k: v for k, v in config.items() if k not in LAYOUT_FIELDS}
+
+
+def layout(config: dict[str, Any]) -> str:
+    """How a recorded output config cut its shards, in words."""
+    tasks = config.get("tasks")
+    return "one host's stages (data.tasks unset)" if tasks is None else f"{tasks} tasks (data.tasks={tasks})"
+
+
 def _config_changes(cfg: DataConfig, saved: dict[str, Any]) -> list[str]:
     """What differs between the settings that made the dataset there and this config's."""
-    now, then = _flat(output_config(cfg)), _flat(saved)
-    now["corpus"], then["corpus"] = _corpus_key(now.get("corpus")), _corpus_key(then.get("corpus"))
-    keys = sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k))
+    now, then, keys = _differing(cfg, saved)
     return [f"data.{k}: {json.dumps(then.get(k))} there, {json.dumps(now.get(k))} now" for k in keys]
+
+
+def _differing(cfg: DataConfig, saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """This config's identity and the recorded one, flat, and the keys where they differ."""
+    now, then = _flat(identity(output_config(cfg))), _flat(identity(saved))
+    now["corpus"], then["corpus"] = _corpus_key(now.get("corpus")), _corpus_key(then.get("corpus"))
+    return now, then, sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k))
+
+
+def _repeat_flags(cfg: DataConfig, saved: dict[str, Any]) -> str:
+    """The --set flags that give this config the recorded settings where they differ, or "" where one
+    cannot be given (a corpus of other files, or a setting the recording lacks)."""
+    _, then, keys = _differing(cfg, saved)
+    flags = []
+    for k in keys:
+        if k == "corpus" or k not in then:
+            return ""
+        v = then[k]
+        flags.append(f"--set data.{k}={v if isinstance(v, str) else json.dumps(v)}")
+    return " ".join(flags)
 
 
 def listed_changes(changes: list[str]) -> str:
@@ -159,7 +194,7 @@ def own_dir(cfg: DataConfig) -> Path:
     """A directory of its own for a dataset of these settings, beside the default one: its name
     ends in a short hash of the settings that make the tokens (`output_config`)."""
     out = cfg.resolved_dir()
-    config = output_config(cfg)
+    config = identity(output_config(cfg))
     config["corpus"] = _corpus_key(config["corpus"])
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:8]
     return out.with_name(f"{out.name}-{digest}")
@@ -212,6 +247,12 @@ def what_is_there(
         )
     listed = [e["path"] for split in SPLITS for e in manifest[split]] + [TOKENIZER_FILE]
     missing = [p for p in listed if not (out / p).is_file()]
+    then, now = layout(manifest["config"]), layout(output_config(cfg))
+    if not changes and not missing and then != now:
+        say(
+            f"note: {out} was prepared as {then}; it is read as it is: how its shards were cut is not part "
+            f"of what makes it this dataset (`pretrain data prepare --force` rebuilds it as {now})"
+        )
     return There(manifest, not changes and not missing, missing, changes)
 
 
@@ -222,8 +263,10 @@ def _changes(
     else its corpus. Without `force`, a DataError naming the choices."""
     changes = _config_changes(cfg, manifest["config"])
     if changes and not force:
+        repeat = _repeat_flags(cfg, manifest["config"])
+        use = f"To read it as it is, repeat its settings: {repeat}; to keep it" if repeat else "To keep it"
         raise DataError(
-            f"{out}: holds a dataset prepared with other settings ({listed_changes(changes)}). To keep it, give "
+            f"{out}: holds a dataset prepared with other settings ({listed_changes(changes)}). {use}, give "
             f"this one a directory of its own: --set data.dataset_dir={own_dir(cfg)} (in `pretrain train` "
             "too); to replace it, run `pretrain data prepare --force` (runs trained on it then no longer "
             "resume on their data)"

@@ -11,8 +11,9 @@ import torch.distributed as tdist
 
 from pretrain.cluster.supervise import restart_count
 from pretrain.config.tree import DataConfig, RunConfig
-from pretrain.data.dataset import MANIFEST
+from pretrain.data.dataset import MANIFEST, load_manifest, summary
 from pretrain.data.prepare import prepare
+from pretrain.data.report import format_report
 from pretrain.errors import PretrainError, RankLostError
 from pretrain.training.checkpoint.store import committed_tags
 from pretrain.training.distributed import ranks
@@ -54,9 +55,14 @@ def prepare_on_rank_0(dist: ranks.Dist, *, data: DataConfig) -> None:
     """Rank 0 prepares the dataset if needed; the others wait and learn whether it worked."""
 
     def act() -> None:
-        if not data.blend and not (data.resolved_dir() / MANIFEST).is_file():
+        building = not data.blend and not (data.resolved_dir() / MANIFEST).is_file()
+        if building:
             dist.log(f"preparing {data.corpus} ({data.tokenizer}) into {data.resolved_dir()}")
-        prepare(data)
+        out = prepare(data)
+        if building:  # what `data prepare` prints: the cleaning and dedup counts, then the summary
+            m = load_manifest(out)
+            dist.log(format_report(m["report"]))
+            dist.log(f"dataset ready in {out}: {summary(m)}")
 
     ranks.rank_0_acts(act, ranks.world_group())
 
