@@ -85,6 +85,7 @@ SLOW_FIRST = [  # the rest take a few seconds each, and fill the gaps at the end
     "test_parallel.py", "test_cli.py", "test_precision.py", "test_launch.py", "test_checkpoint.py",
     "test_init_from.py", "test_fuzz.py", "test_data_faults.py", "test_ds_corpus.py", "test_export.py",
     "test_budgets.py", "test_distributed.py", "test_metrics.py", "test_start_memory.py",
+    "test_docs_commands.py", "test_data_tasks.py", "test_hf_tokenizer.py",
     "test_launch_check.py", "test_fuzz_commands.py", "test_plan_memory.py", "test_gpu_check_script.py",
     "test_data_cli.py", "test_hf.py", "test_plan.py", "test_generate.py", "test_ranks.py",
 ]  # fmt: skip
