@@ -62,7 +62,7 @@ from pretrain.data.fingerprint import (
 )
 from pretrain.data.report import Progress, format_report, no_document
 from pretrain.data.shards import dtype_for_vocab
-from pretrain.data.tasks import build, work_dir
+from pretrain.data.tasks import DEDUP_REMOVED, build, work_dir
 from pretrain.data.tokenizer import (
     BPE_RANKS_FILE,
     HF_TOKENIZER_FILE,
@@ -76,7 +76,7 @@ from pretrain.data.workers import STUCK_POOL, Interrupted, Workers, stopping_on_
 from pretrain.errors import DataError, require
 from pretrain.files import FileLock, check_output_dir, pid_gone, replace_dir, short_name, staging_dir
 
-_OWN_FILES = (MANIFEST, TOKENIZER_FILE, BPE_RANKS_FILE, HF_TOKENIZER_FILE)
+_OWN_FILES = (MANIFEST, TOKENIZER_FILE, BPE_RANKS_FILE, HF_TOKENIZER_FILE, DEDUP_REMOVED)
 
 
 def _worker_count(cfg: DataConfig) -> int:

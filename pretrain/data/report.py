@@ -1,8 +1,8 @@
 """What a prepare tells: its progress as it reads, and the manifest's report of what it wrote.
 
 `Progress` shows input bytes read (a tqdm bar on a terminal, else a line now and then);
-`manifest_report` is what cleaning and dedup did and what was written, `format_report` its few
-lines for a terminal, and `split_warnings` a warning where val's share of the tokens is far from
+`manifest_report` is what cleaning and dedup did and what was written (`lsh_misses`: how often
+near dedup misses a pair), `format_report` its few lines for a terminal, and `split_warnings` a warning where val's share of the tokens is far from
 data.val_fraction.
 """
 
@@ -154,6 +154,17 @@ def manifest_report(
     }
 
 
+def lsh_misses(bands: int, rows: int, threshold: float) -> dict[str, Any]:
+    """How often MinHash LSH misses a near pair: with b bands of r rows, a pair of Jaccard s shares
+    no band with probability (1 - s^r)^b; at the threshold and halfway from it to 1."""
+    at = (threshold, (1 + threshold) / 2)
+    return {
+        "bands": bands,
+        "rows": rows,
+        "missed": {f"{s:.2f}": round((1 - s**rows) ** bands, 4) for s in at},
+    }
+
+
 def stats_line(stats: CleanStats) -> str:
     removed = ", ".join(f"{k}: {d:,}" for k, (d, _) in sorted(stats.removed.items()))
     return f"{stats.documents_in:,} documents read" + (f"; removed {removed}" if removed else "")
@@ -181,5 +192,21 @@ def format_report(report: dict[str, Any]) -> str:
     if u["bytes"]:
         lines.append(f"undecodable bytes: {u['bytes']:,} in {u['documents']:,} documents ({u['action']})")
     lines += [f"e.g. {k}: {v}" for k, v in report["examples"].items()]
+    if "dedup_removed" in report:
+        d = report["dedup_removed"]
+        some = (
+            f"the first {d['written']:,} of {d['total']:,}"
+            if d["written"] < d["total"]
+            else f"all {d['total']:,}"
+        )
+        lines.append(f"dedup: {d['path']} names {some} removed duplicates, each with the kept one it matched")
+    if "near_dedup_lsh" in report:
+        n = report["near_dedup_lsh"]
+        (s0, p0), *rest = n["missed"].items()
+        more = "".join(f", at {s} {p:.2f}" for s, p in rest)
+        lines.append(
+            f"near dedup: {n['bands']} bands x {n['rows']} rows: a pair at Jaccard {s0} is missed "
+            f"with probability {p0:.2f}{more}"
+        )
     lines += [f"note: {n}" for n in report["notes"]]
     return "\n".join(lines)

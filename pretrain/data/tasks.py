@@ -11,13 +11,15 @@ unset, one task of each stage runs in this process, its encode step's chunks spr
 - encode (one task per run): read, clean, split, hash, MinHash and tokenize, as one host's workers
   do (encode.py); the tokens and a table of each document go to the task's directory.
 - exact (as many tasks as runs): the hashes by hash % tasks; in each part, every document whose hash
-  an earlier one had is removed (the first in corpus order is kept).
+  an earlier one had is removed (the first in corpus order is kept, and named as its match).
 - bands (as many tasks as runs): each MinHash band, by its first value % parts (bands x parts at
   least the tasks), sorted: the buckets holding two or more documents that exact dedup kept.
 - clusters (one task): in corpus order, a document is a near duplicate when a bucket it is in holds
-  an earlier document that was kept. That is what datasketch's MinHashLSH, queried and filled with
-  the kept documents in corpus order, decides, so the kept set is the same for any number of tasks.
-- write (one task per run): the kept documents of each run into its own shards, `train_tNNNNN_*`.
+  an earlier document that was kept (the earliest such is its match). That is what datasketch's
+  MinHashLSH, queried and filled with the kept documents in corpus order, decides, so the kept set
+  is the same for any number of tasks.
+- write (one task per run): the kept documents of each run into its own shards, `train_tNNNNN_*`;
+  here, `dedup_removed.jsonl`: the first DEDUP_LISTED removed documents, each with its match.
 
 Every task writes into a directory of its own and renames it into place when it is whole, so a
 task that dies leaves nothing a later stage reads, and one run again writes the same bytes. The
@@ -49,7 +51,14 @@ from pretrain.data.clean import Cleaner, CleanStats
 from pretrain.data.dataset import SPLITS
 from pretrain.data.encode import Setup, encode_task
 from pretrain.data.fingerprint import input_files, output_config
-from pretrain.data.report import Progress, manifest_report, no_document, split_warnings, stats_line
+from pretrain.data.report import (
+    Progress,
+    lsh_misses,
+    manifest_report,
+    no_document,
+    split_warnings,
+    stats_line,
+)
 from pretrain.data.shards import ShardInfo, ShardWriter, dtype_for_vocab
 from pretrain.data.tokenizer import Tokenizer
 from pretrain.data.workdir import (
@@ -73,7 +82,9 @@ from pretrain.data.workdir import (
 from pretrain.data.workers import Workers
 from pretrain.errors import DataError
 
-WORK_VERSION = 2  # 2: hand-offs as checked JSON and .npy, no pickle
+WORK_VERSION = 3  # 2: hand-offs as checked JSON and .npy, no pickle; 3: each removed one's kept match
+DEDUP_REMOVED = "dedup_removed.jsonl"  # in a dataset dedup removed documents from: each, and its kept match
+DEDUP_LISTED = 10_000  # the removed documents it names at most, the first in corpus order
 FAULT_KILL = "PRETRAIN_FAULT_KILL_TASK"  # "STAGE:RANK": that task SIGKILLs itself, the first time only
 _WRITE_TOKENS = 1 << 22  # tokens a write task copies at a time: its memory stays flat
 
@@ -225,6 +236,11 @@ class Job:
         path = self.root / f"{name}.npy"
         return load_npy(path) if path.is_file() else np.empty(0, dtype=np.int64)
 
+    def matched(self, name: str) -> np.ndarray:
+        """The kept document each of `removed(name)` matched, in the same order."""
+        path = self.root / f"{name}_kept.npy"
+        return load_npy(path) if path.is_file() else np.empty(0, dtype=np.int64)
+
 
 def make_job(cfg: DataConfig, work: Path, setup: Setup, *, workers: int = 0) -> Job:
     clean = cfg.clean
@@ -354,15 +370,25 @@ class Exact(_Task):
         h, i = h[order], i[order]
         again = np.zeros(len(h), dtype=bool)
         again[1:] = h[1:] == h[:-1]
-        save_npy(tmp / "removed.npy", np.sort(i[again]))
+        first = np.maximum.accumulate(np.where(again, 0, np.arange(len(h))))  # each hash's first, kept
+        removed, kept = i[again], i[first][again]
+        order = np.argsort(removed)
+        save_npy(tmp / "removed.npy", removed[order].astype(np.int64))
+        save_npy(tmp / "kept.npy", kept[order].astype(np.int64))
 
 
 def gather_removed(job: Job, stage: str, parts: int, name: str) -> np.ndarray:
-    """The removed documents of every part of a stage, sorted, saved as `name`.npy in the work."""
-    found = [load_npy(task_dir(job.root, stage, p) / "removed.npy") for p in range(parts)]
-    removed = np.sort(np.concatenate(found)) if found else np.empty(0, dtype=np.int64)
-    save_npy(job.root / f"{name}.npy", removed.astype(np.int64))
-    return removed
+    """The removed documents of every part of a stage, sorted, saved as `name`.npy in the work, and
+    the kept one each matched as `name`_kept.npy."""
+    dirs = [task_dir(job.root, stage, p) for p in range(parts)]
+    found = [load_npy(d / "removed.npy") for d in dirs]
+    matched = [load_npy(d / "kept.npy") for d in dirs]
+    removed = np.concatenate(found).astype(np.int64) if found else np.empty(0, dtype=np.int64)
+    kept = np.concatenate(matched).astype(np.int64) if matched else np.empty(0, dtype=np.int64)
+    order = np.argsort(removed, kind="stable")
+    save_npy(job.root / f"{name}.npy", removed[order])
+    save_npy(job.root / f"{name}_kept.npy", kept[order])
+    return removed[order]
 
 
 def _in_range(removed: np.ndarray, lo: int, hi: int) -> np.ndarray:
@@ -443,30 +469,38 @@ class Clusters(_Task):
         for j in range(job.tasks):
             members.append(load_npy(task_dir(job.root, "bands", j) / "members.npy"))
             sizes.append(load_npy(task_dir(job.root, "bands", j) / "sizes.npy"))
-        save_npy(tmp / "removed.npy", near_removed(np.concatenate(members), np.concatenate(sizes)))
+        removed, kept = near_matches(np.concatenate(members), np.concatenate(sizes))
+        save_npy(tmp / "removed.npy", removed)
+        save_npy(tmp / "kept.npy", kept)
 
 
 def near_removed(members: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """The documents that one host's MinHashLSH query over the kept documents would call near
-    duplicates, given every bucket of two or more (`members`, `sizes`): in corpus order, a document
-    goes when one of its buckets already holds a kept one, and is kept (marking its buckets) when
-    none does."""
+    duplicates (near_matches), without the kept ones they matched."""
+    return near_matches(members, sizes)[0]
+
+
+def near_matches(members: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The near duplicates, given every bucket of two or more (`members`, `sizes`), and the kept
+    document each matched: in corpus order, a document goes when one of its buckets already holds a
+    kept one (the earliest such is its match), and is kept (marking its buckets) when none does."""
     if len(members) == 0:
-        return np.empty(0, np.int64)
+        return np.empty(0, np.int64), np.empty(0, np.int64)
     bucket = np.repeat(np.arange(len(sizes)), sizes)
     order = np.lexsort((bucket, members))
     doc, bucket = members[order], bucket[order]
     starts = np.flatnonzero(np.r_[True, doc[1:] != doc[:-1]])
     ends = np.append(starts[1:], len(doc))
-    has_kept = np.zeros(len(sizes), dtype=bool)
-    removed = []
+    keeper = np.full(len(sizes), -1, dtype=np.int64)  # the kept document of each bucket
+    removed, kept = [], []
     for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
-        mine = bucket[s:e]
-        if has_kept[mine].any():
+        mine = keeper[bucket[s:e]]
+        if (mine >= 0).any():
             removed.append(int(doc[s]))
+            kept.append(int(mine[mine >= 0].min()))
         else:
-            has_kept[mine] = True
-    return np.array(removed, dtype=np.int64)
+            keeper[bucket[s:e]] = doc[s]
+    return np.array(removed, dtype=np.int64), np.array(kept, dtype=np.int64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -621,6 +655,72 @@ def written_shards(job: Job, staging: Path) -> dict[str, list[ShardInfo]]:
     return shards
 
 
+def dedup_removed(job: Job, staging: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """`dedup_removed.jsonl` in the dataset's staging directory: the first DEDUP_LISTED removed
+    duplicates in corpus order, one JSON line each with the kept document it matched and their
+    similarity (exact: 1.0; near: the share of equal MinHash values, the estimated Jaccard). Returns
+    the report's entry for it (path, lines written, duplicates in all) and an example of each kind."""
+    parts = [
+        (job.removed(name), job.matched(name), kind)
+        for kind, name, on in (("exact", "exact_removed", job.exact), ("near", "near_removed", job.near))
+        if on
+    ]
+    removed = np.concatenate([r for r, _, _ in parts]) if parts else np.empty(0, np.int64)
+    matched = np.concatenate([k for _, k, _ in parts]) if parts else np.empty(0, np.int64)
+    kinds = [kind for r, _, kind in parts for _ in range(len(r))]
+    listed = np.argsort(removed, kind="stable")[:DEDUP_LISTED].tolist()
+    names = _names(job, {int(removed[j]) for j in listed} | {int(matched[j]) for j in listed})
+    examples: dict[str, str] = {}
+    with open(staging / DEDUP_REMOVED, "w") as f:
+        for j in listed:
+            doc, kept, kind = int(removed[j]), int(matched[j]), kinds[j]
+            similarity = 1.0 if kind == "exact" else _signature_share(job, doc, kept)
+            line = {
+                "kind": kind,
+                **_document(names[doc]),
+                "kept": _document(names[kept]),
+                "similarity": similarity,
+            }
+            f.write(json.dumps(line) + "\n")
+            examples.setdefault(
+                f"{kind}_duplicate",
+                f"{names[doc]} removed, a copy of {names[kept]}"
+                if kind == "exact"
+                else f"{names[doc]} removed, near {names[kept]} (estimated Jaccard {similarity:.2f})",
+            )
+    return {"path": DEDUP_REMOVED, "written": len(listed), "total": len(removed)}, examples
+
+
+def _names(job: Job, docs: set[int]) -> dict[int, str]:
+    """The names of some documents, in one pass over each run's names that holds one of them."""
+    by_run: dict[int, set[int]] = {}
+    for doc in docs:
+        t, i = run_of(job, doc)
+        by_run.setdefault(t, set()).add(i)
+    offsets, names = job.offsets(), {}
+    for t, wanted in sorted(by_run.items()):
+        with open(task_dir(job.root, "encode", t) / "names.jsonl") as f:
+            for i, line in enumerate(itertools.islice(f, max(wanted) + 1)):
+                if i in wanted:
+                    names[int(offsets[t]) + i] = json.loads(line)
+    return names
+
+
+def _document(name: str) -> dict[str, Any]:
+    """A document's name ("part0.jsonl@1234": its file and the byte or row it starts at) as a line's fields."""
+    source, _, at = name.rpartition("@")
+    if source and at.isdigit():
+        return {"document": name, "source": source, "offset": int(at)}
+    return {"document": name, "source": name, "offset": None}  # a text file, or a piece of one (`#N`)
+
+
+def _signature_share(job: Job, a: int, b: int) -> float:
+    """The share of equal MinHash values between two documents' signatures: their estimated Jaccard."""
+    (ta, ia), (tb, ib) = run_of(job, a), run_of(job, b)
+    sig_a, sig_b = np.asarray(job.signatures(ta)[ia]), np.asarray(job.signatures(tb)[ib])
+    return round(float(np.mean(sig_a == sig_b)), 4)
+
+
 def largest_named(job: Job, kept: Kept) -> tuple[int, str, str]:
     """(tokens, name, split) of the largest kept document, as split_warnings takes it."""
     tokens, doc = kept.largest
@@ -710,6 +810,14 @@ def build(
         shards=shards,
         seconds=time.perf_counter() - t0,
     )
+    if len(job.removed("exact_removed")) or len(job.removed("near_removed")):
+        report["dedup_removed"], examples = dedup_removed(job, staging)
+        report["examples"] = dict(sorted({**report["examples"], **examples}.items()))
+    if job.near:
+        start, end = job.hashranges[0]
+        report["near_dedup_lsh"] = lsh_misses(
+            len(job.hashranges), end - start, cfg.clean.near_dedup_threshold
+        )
     report["warnings"] = (
         []
         if own_val
