@@ -80,7 +80,7 @@ def config(args: argparse.Namespace, work: Path, run: str, extra: list[str]) -> 
             "data.tokenizer=char",
             f"data.corpus={work / 'corpus.txt'}",
             f"data.dataset_dir={work / 'data'}",
-            "data.verify_shards=false",
+            "loader.verify_shards=false",
             f"batch.micro_batch_size={args.micro_batch}",
             "batch.gradient_accumulation_steps=1",
             f"zero.stage={args.zero}",

@@ -37,7 +37,7 @@ from pretrain.training.metrics import PhaseTimer, quiet_monitor  # noqa: E402
 from pretrain.training.run import setup  # noqa: E402
 from pretrain.training.schedule import lr_at  # noqa: E402
 
-COMMON = ["zero.stage=0", "logging.progress_bar=off", "data.prefetch=0"]
+COMMON = ["zero.stage=0", "logging.progress_bar=off", "loader.prefetch=0"]
 SHAPES = {
     # the model of issue 11's figures
     "4/4/128": ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.block_size=64",

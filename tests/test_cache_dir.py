@@ -1,4 +1,4 @@
-"""Local staging of shards (data.cache_dir): verified copies, reused across runs, bit-identical
+"""Local staging of shards (loader.cache_dir): verified copies, reused across runs, bit-identical
 batches, corruption and leftovers handled, a size bound that evicts or falls back, a full disk."""
 
 from __future__ import annotations
@@ -14,16 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pydantic
 import pytest
 
-from pretrain.config.tree import DataConfig
+from pretrain.config.tree import DataConfig, validate
 from pretrain.data.dataset import Dataset, load_manifest
 from pretrain.data.fingerprint import output_config
 from pretrain.data.loader import ShardedLoader
 from pretrain.data.shards import HEADER_SIZE, write_shard
 from pretrain.data.staging import MARKER, Staged, dataset_key, stage_datasets
-from pretrain.errors import DataError
+from pretrain.errors import ConfigError, DataError
 
 GB = 1e9
 
@@ -112,7 +111,7 @@ def test_a_changed_copy_is_copied_again_and_silent_rot_is_refused(tmp_path: Path
         f.seek(HEADER_SIZE + 10)
         f.write(b"\x01")
     os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert stage([ds], cache).reused == 1  # without data.verify_shards only the stat is checked
+    assert stage([ds], cache).reused == 1  # without loader.verify_shards only the stat is checked
     with pytest.raises(
         DataError, match=r"no longer matches its sha256.*removed now, start the run again"
     ) as e:
@@ -169,7 +168,7 @@ def test_the_bound_evicts_the_least_recently_used_other_dataset_or_reads_in_plac
     assert a0.exists(), "nothing is evicted for a shard that cannot fit anyway"
     (line,) = warnings
     assert str(big.shard_paths("train")[0]) in line and str(cache) in line
-    assert "raise data.cache_max_gb, or free space there" in line and "; " not in line
+    assert "raise loader.cache_max_gb, or free space there" in line and "; " not in line
 
     # a blend's own datasets are never evicted for each other: the second reads in place
     staged = stage([a, b], cache, max_gb=70_000 / GB, warn=warnings.append)
@@ -218,16 +217,14 @@ def test_a_full_disk_reads_in_place_and_leaves_no_partial_copy(tmp_path: Path) -
 def test_cache_dir_is_refused_on_a_dataset_or_where_it_cannot_be_made(tmp_path: Path) -> None:
     data = tmp_path / "data" / "ds"
     for cache_dir, word in ((data, "is"), (data / "cache", "lies in"), (tmp_path / "data", "holds")):
-        with pytest.raises(
-            pydantic.ValidationError, match=f"data.cache_dir {cache_dir} {word} the dataset"
-        ) as e:
-            DataConfig(dataset_dir=str(data), cache_dir=str(cache_dir))
-        assert "point data.cache_dir at a node-local directory of its own" in str(e.value)
-    cached = DataConfig(dataset_dir=str(data), cache_dir=str(tmp_path / "nvme"), cache_max_gb=1.0)
-    assert output_config(cached) == output_config(DataConfig(dataset_dir=str(data))), "the same dataset"
+        with pytest.raises(ConfigError, match=f"loader.cache_dir {cache_dir} {word} the dataset") as e:
+            validate({"data": {"dataset_dir": str(data)}, "loader": {"cache_dir": str(cache_dir)}})
+        assert "point loader.cache_dir at a node-local directory of its own" in str(e.value)
+    cached = validate({"data": {"dataset_dir": str(data)}, "loader": {"cache_dir": str(tmp_path / "nvme")}})
+    assert output_config(cached.data) == output_config(DataConfig(dataset_dir=str(data))), "the same dataset"
 
     (tmp_path / "a-file").write_text("")
     ds = fake_dataset(tmp_path, "a", [3000])
-    with pytest.raises(DataError, match=r"cannot create it .* point data.cache_dir at a writable") as err:
+    with pytest.raises(DataError, match=r"cannot create it .* point loader.cache_dir at a writable") as err:
         stage([ds], tmp_path / "a-file" / "cache")
     assert "; " not in str(err.value)

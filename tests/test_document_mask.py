@@ -1,4 +1,4 @@
-"""Document masks in packed sequences (`data.document_mask`, `model.document_eot`): the loss of a
+"""Document masks in packed sequences (`loader.document_mask`, `model.document_eot`): the loss of a
 packed sequence is the token-weighted loss of its documents run one by one, on the dense mask and on
 FlexAttention's block mask, the pipeline's stages compute what the GPT does, the mask off is the
 plain causal model, the plan counts each path's mask, and a config that cannot have end-of-text
@@ -118,8 +118,8 @@ def test_the_block_mask_is_the_dense_masks_rule_in_blocks_of_128():
     assert len(blocks) == 8 and all(t.dtype == torch.int32 and t.shape[-1] == 3 for t in blocks)  # 300/128
     starts = [c.cell_contents for c in block.mask_mod.__closure__ or ()]  # the document starts it reads
     kept = blocks + starts
-    cfg = validate({"model": {"block_size": 300}, "batch": {"micro_batch_size": 2}, "data": {
-        "tokenizer": "gpt2", "document_mask": True}})  # fmt: skip
+    cfg = validate({"model": {"block_size": 300}, "batch": {"micro_batch_size": 2},
+                    "data": {"tokenizer": "gpt2"}, "loader": {"document_mask": True}})  # fmt: skip
     assert document_mask_bytes(cfg, cpu=False) == sum(t.nbytes for t in kept)  # 8 x (2, 1, 3[, 3]) + (2, 300)
     assert document_mask_bytes(cfg, cpu=True) == 300 * 300 * 2 * 4  # the dense fp32 mask
 
@@ -225,35 +225,54 @@ def test_pipeline_stages_compute_the_gpts_packed_logits(shape: str):
 
 def test_document_mask_needs_an_end_of_text_token():
     with pytest.raises(ConfigError) as e:
-        validate({"data": {"document_mask": True}})  # the char tokenizer by default
+        validate({"loader": {"document_mask": True}})  # the char tokenizer by default
     said = str(e.value)
-    assert "data.document_mask: the char tokenizer has no end-of-text token" in said and "; " not in said
-    assert "set data.tokenizer=gpt2 or bpe (and prepare the data), or data.document_mask=false" in said
-    with pytest.raises(ConfigError, match=r"set data\.document_mask=true"):
+    assert "loader.document_mask: the char tokenizer has no end-of-text token" in said and "; " not in said
+    assert "set data.tokenizer=gpt2 or bpe (and prepare the data), or loader.document_mask=false" in said
+    with pytest.raises(ConfigError, match=r"set loader\.document_mask=true"):
         validate({"model": {"document_eot": 3}, "data": {"tokenizer": "gpt2"}})
 
 
 def test_the_eot_comes_from_the_manifest_and_a_manifest_without_one_is_refused(tmp_path: Path):
-    cfg = validate({"data": {"tokenizer": "gpt2", "document_mask": True}})
+    cfg = validate({"data": {"tokenizer": "gpt2"}, "loader": {"document_mask": True}})
     with_eot = Dataset(tmp_path / "a", {"tokenizer": {"eot_token": 50256}})
     assert resolve_document_eot(cfg, [with_eot]).model.document_eot == 50256
     assert resolve_document_eot(validate({}), [with_eot]).model.document_eot is None  # the mask off
     older = Dataset(tmp_path / "b", {"tokenizer": {}})  # a manifest that records no eot_token
-    with pytest.raises(DataError, match=r"b records no end-of-text token.*data\.document_mask=false"):
+    with pytest.raises(DataError, match=r"b records no end-of-text token.*loader\.document_mask=false"):
         resolve_document_eot(cfg, [with_eot, older])
-    given = validate({"data": {"tokenizer": "gpt2", "document_mask": True}, "model": {"document_eot": 7}})
+    given = validate(
+        {"data": {"tokenizer": "gpt2"}, "loader": {"document_mask": True}, "model": {"document_eot": 7}}
+    )
     with pytest.raises(ConfigError, match=r"leave model\.document_eot unset"):
         resolve_document_eot(given, [with_eot])
 
 
 def test_a_prepared_dataset_serves_runs_with_and_without_the_mask():
-    on = validate({"data": {"tokenizer": "gpt2", "document_mask": True}}).data
-    assert output_config(on) == output_config(on.model_copy(update={"document_mask": False}))
+    on = validate({"data": {"tokenizer": "gpt2"}, "loader": {"document_mask": True}})
+    assert output_config(on.data) == output_config(validate({"data": {"tokenizer": "gpt2"}}).data)
+
+
+def test_the_loaders_fields_read_at_their_old_place_in_data_said_once(capsys):
+    old = validate(
+        {"data": {"tokenizer": "gpt2", "document_mask": True, "cache_dir": "/local/nvme", "prefetch": 4}}
+    )
+    assert (old.loader.document_mask, old.loader.cache_dir, old.loader.prefetch) == (True, "/local/nvme", 4)
+    assert old == validate({"data": {"tokenizer": "gpt2", "document_mask": True}}).model_copy(
+        update={"loader": old.loader}
+    )
+    said = capsys.readouterr().err
+    assert "note: data.document_mask is now loader.document_mask" in said
+    assert said.count("data.document_mask is now") == 1  # once a process
+    with pytest.raises(ConfigError, match=r"data\.prefetch is now loader\.prefetch, and both are set"):
+        validate({"data": {"prefetch": 4}, "loader": {"prefetch": 8}})
 
 
 def test_plan_counts_one_mask_a_micro_batch_on_its_path():
     base = validate({"model": {"vocab_size": 50257}, "data": {"tokenizer": "gpt2"}})
-    masked = validate({"model": {"vocab_size": 50257}, "data": {"tokenizer": "gpt2", "document_mask": True}})
+    masked = validate(
+        {"model": {"vocab_size": 50257}, "data": {"tokenizer": "gpt2"}, "loader": {"document_mask": True}}
+    )
     s, b = base.model.block_size, base.batch.micro_batch_size
     assert (
         activation_bytes(masked, cpu=True) - activation_bytes(base, cpu=True) == s * s * b * 4
@@ -272,10 +291,11 @@ def test_a_resume_may_turn_document_masks_on_or_off_and_says_so():
     assert document_mask_change(None, None) == [] and document_mask_change(50256, 50256) == []
     (on,) = document_mask_change(None, 50256)
     assert (
-        on.startswith("data.document_mask is on at this resume (it was off") and "within their document" in on
+        on.startswith("loader.document_mask is on at this resume (it was off")
+        and "within their document" in on
     )
     (off,) = document_mask_change(50256, None)
-    assert off.startswith("data.document_mask is off at this resume")
+    assert off.startswith("loader.document_mask is off at this resume")
 
 
 @pytest.mark.gpu

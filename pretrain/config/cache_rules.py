@@ -1,4 +1,4 @@
-"""The rule on data.cache_dir, the node-local copy of the shards: apart from every dataset it copies.
+"""The rule on loader.cache_dir, the node-local copy of the shards: apart from every dataset it copies.
 
 Its eviction removes copies under it, and its copies are named by their dataset's shard list: a cache
 inside a dataset directory would be swapped away with it by the next prepare, and a dataset inside the
@@ -23,7 +23,7 @@ def cache_dir_problems(cache_dir: str | None, dataset_dirs: Sequence[Path]) -> l
         if cache == real or real in cache.parents or cache in real.parents:
             where = "is" if cache == real else "lies in" if real in cache.parents else "holds"
             problems.append(
-                f"data.cache_dir {cache_dir} {where} the dataset directory {d}: point data.cache_dir at a "
+                f"loader.cache_dir {cache_dir} {where} the dataset directory {d}: point loader.cache_dir at a "
                 "node-local directory of its own (e.g. /local/nvme/pretrain-cache)"
             )
     return problems

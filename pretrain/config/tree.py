@@ -434,6 +434,7 @@ class DataConfig(DataEngineFields):
         description="Train on these prepared datasets mixed by weight instead of `corpus` (same tokenizer). "
         "Validation uses all their val shards.",
     )
+
     def broken_rules(self, context: dict[str, Any]) -> list[str]:
         problems = engine_problems(self)
         if self.tokenizer == "hf" and not self.tokenizer_path:
@@ -612,7 +613,8 @@ class RunConfig(Section):
         problems += _accumulation_problems(self)
         problems += _budget_problems(self)
         problems += cache_dir_problems(
-            self.loader.cache_dir, [Path(b.dataset_dir) for b in self.data.blend] or [self.data.resolved_dir()]
+            self.loader.cache_dir,
+            [Path(b.dataset_dir) for b in self.data.blend] or [self.data.resolved_dir()],
         )
         if self.loader.document_mask and self.data.tokenizer == "char":
             problems.append(
@@ -620,7 +622,9 @@ class RunConfig(Section):
                 "data.tokenizer=gpt2 or bpe (and prepare the data), or loader.document_mask=false"
             )
         if self.model.document_eot is not None and not self.loader.document_mask:
-            problems.append("model.document_eot is set by loader.document_mask: set loader.document_mask=true")
+            problems.append(
+                "model.document_eot is set by loader.document_mask: set loader.document_mask=true"
+            )
         accum = self.deepspeed_extra.get("data_types")
         if self.precision.bf16 and isinstance(accum, dict) and "grad_accum_dtype" in accum:
             problems.append(

@@ -29,7 +29,7 @@ from pretrain.data.sources import (
 from pretrain.errors import DataError
 
 # DataConfig fields that do not change what prepare writes (where inputs come from, how many
-# workers, what the loader does): a change in them keeps a prepared dataset valid.
+# workers; the loader's fields are a section of their own): a change in them keeps a prepared dataset valid.
 NOT_OUTPUT_FIELDS = frozenset(
     {
         "source",
@@ -38,11 +38,6 @@ NOT_OUTPUT_FIELDS = frozenset(
         "workers",
         "chunk_bytes",
         "blend",  # the mix and its schedules: the run's (datasets_sha256 and the loader state record them)
-        "prefetch",
-        "verify_shards",
-        "cache_dir",  # where the loader reads copies of the same shards
-        "cache_max_gb",
-        "document_mask",  # the model's attention over the same tokens
         "dataset_dir",
         "hf_streaming",
         "executor",  # where the tasks run: the same dataset on every executor

@@ -430,7 +430,7 @@ class ShardedLoader:
                 f"token id {top} at or beyond the vocabulary ({self.vocab_size} "
                 f"ids) in the batch at sample {lo} of {', '.join(str(p) for p in self.paths[:2])}"
                 f"{' ...' if len(self.paths) > 2 else ''}: the shards are damaged or from another tokenizer; "
-                "prepare the dataset again (data prepare --force), and keep data.verify_shards on"
+                "prepare the dataset again (data prepare --force), and keep loader.verify_shards on"
             )
             e.collective = False  # this rank's batch
             raise e

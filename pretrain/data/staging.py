@@ -1,6 +1,6 @@
-"""Local staging of shards (data.cache_dir): each shard copied once to node-local disk, verified, read there.
+"""Local staging of shards (loader.cache_dir): each shard copied once to node-local disk, verified, read there.
 
-A run's loader reads the shards where they lie (often a parallel file system). With data.cache_dir set,
+A run's loader reads the shards where they lie (often a parallel file system). With loader.cache_dir set,
 every rank, before its loader opens a split, stages that split's shards: it finds or makes a verified
 copy of each in the cache and hands the loader the copies' paths. The loader opens (memory-maps) every
 shard of its split at construction anyway, so staging them all then costs no start-up a lazier scheme
@@ -14,7 +14,7 @@ only if their shards are the same. Beside each copy:
   marker agrees with the manifest and with the copy's stat without hashing it again (a stat, not a
   read of the shard: start-up stays cheap). A copy changed since (written to, truncated, replaced) has
   another size, mtime or inode and is copied again. What a stat cannot see, bits rotting on the disk,
-  is what data.verify_shards is for: with it on, a reused copy is hashed again (on the first rank of
+  is what loader.verify_shards is for: with it on, a reused copy is hashed again (on the first rank of
   each host, as the loader would hash the originals), and a mismatch is refused, the copy removed, so
   the next run copies it afresh. Refused rather than replaced: other ranks may already read that copy.
   The marker's mtime is the copy's last use, for eviction.
@@ -23,7 +23,7 @@ only if their shards are the same. Beside each copy:
 - `<name>.tmp-<pid>`, a copy in progress: copied, fsynced, verified, then renamed over `<name>`. Never
   read: a killed copy's leftover is removed by the next process that holds the shard's lock.
 
-Size: before a copy, if the cache would pass data.cache_max_gb, the least recently used copies of the
+Size: before a copy, if the cache would pass loader.cache_max_gb, the least recently used copies of the
 datasets this run does not read are evicted. If it still does not fit, or the disk fills during the copy,
 the shard is read in place with one warning line, and no partial copy is left behind.
 """
@@ -76,7 +76,7 @@ class Staged:
 
     def summary(self, cache_dir: Path, split: str) -> str:
         return (
-            f"data.cache_dir {cache_dir}: {split} shards: {self.staged} staged ({format_bytes(self.copied_bytes)} "
+            f"loader.cache_dir {cache_dir}: {split} shards: {self.staged} staged ({format_bytes(self.copied_bytes)} "
             f"copied), {self.reused} reused, {self.in_place} read in place"
         )
 
@@ -98,7 +98,7 @@ def stage_datasets(
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DataError(
-            f"data.cache_dir {root}: cannot create it ({e.strerror or e}): point data.cache_dir at a writable "
+            f"loader.cache_dir {root}: cannot create it ({e.strerror or e}): point loader.cache_dir at a writable "
             "node-local directory, or unset it"
         ) from e
     cache = _Cache(root, int(max_gb * 1e9), {dataset_key(d) for d in datasets}, warn)
@@ -152,8 +152,8 @@ class _Cache:
             size = source.stat().st_size
             if not self._make_room(size):
                 self.warn(
-                    f"warning: {source}: read in place, its {format_bytes(size)} do not fit in data.cache_dir "
-                    f"{self.root} under data.cache_max_gb {self.max_bytes / 1e9:g}: raise data.cache_max_gb, "
+                    f"warning: {source}: read in place, its {format_bytes(size)} do not fit in loader.cache_dir "
+                    f"{self.root} under loader.cache_max_gb {self.max_bytes / 1e9:g}: raise loader.cache_max_gb, "
                     "or free space there"
                 )
                 return self._in_place(source, sha256, verify=verify), "in_place"
@@ -163,8 +163,8 @@ class _Cache:
                 if e.errno not in _FULL:
                     raise DataError(f"{source}: cannot copy it to {copy}: {e.strerror or e}") from e
                 self.warn(
-                    f"warning: {source}: read in place, the disk of data.cache_dir {self.root} is full "
-                    f"({e.strerror}): free space there, or lower data.cache_max_gb to what it holds"
+                    f"warning: {source}: read in place, the disk of loader.cache_dir {self.root} is full "
+                    f"({e.strerror}): free space there, or lower loader.cache_max_gb to what it holds"
                 )
                 return self._in_place(source, sha256, verify=verify), "in_place"
             return copy, "staged"

@@ -369,7 +369,7 @@ def build_bytes(cfg: RunConfig, layout: Layout, share: StageShare) -> float:
 
 
 def document_mask_bytes(cfg: RunConfig, *, cpu: bool) -> float:
-    """One micro batch's document mask (data.document_mask), built once per micro batch (a stage's first
+    """One micro batch's document mask (loader.document_mask), built once per micro batch (a stage's first
     block) and kept for backward by every layer, on the path the model takes (model/gpt.py's
     `document_path`): on CUDA ranks without attention dropout FlexAttention's block mask, int32 block
     counts (b, 1, n) and indices (b, 1, n, n) for the keys' and the queries' side, partial and full
@@ -377,7 +377,7 @@ def document_mask_bytes(cfg: RunConfig, *, cpu: bool) -> float:
     dense additive (b, 1, s, s) mask in the activations' dtype, with no T x T copy per layer (it is
     passed in the dtype SDPA computes in)."""
     s, b = cfg.model.block_size, cfg.batch.micro_batch_size
-    if not cfg.data.document_mask:
+    if not cfg.loader.document_mask:
         return 0.0
     if not cpu and cfg.model.dropout == 0:
         n = -(-s // 128)

@@ -137,24 +137,24 @@ def setup(cfg: RunConfig, dist: Dist, resume: bool | str | None) -> Run:
 
 
 def resolve_document_eot(cfg: RunConfig, datasets: list[Dataset]) -> RunConfig:
-    """`cfg` with model.document_eot filled from the datasets' manifests when data.document_mask is on:
+    """`cfg` with model.document_eot filled from the datasets' manifests when loader.document_mask is on:
     the end-of-text token prepare wrote after every document (a blend's datasets share one tokenizer)."""
-    if not cfg.data.document_mask:
+    if not cfg.loader.document_mask:
         return cfg
     eots = {d.dir: d.manifest["tokenizer"].get("eot_token") for d in datasets}
     lacking = [str(where) for where, eot in eots.items() if type(eot) is not int]
     if lacking:
         raise DataError(
-            f"data.document_mask: the manifest of {', '.join(lacking)} records no end-of-text token to end "
+            f"loader.document_mask: the manifest of {', '.join(lacking)} records no end-of-text token to end "
             "documents with (prepared with the char tokenizer, or by an older pretrain): prepare it again with "
-            "data.tokenizer=gpt2 or bpe (`pretrain data prepare --force`), or set data.document_mask=false"
+            "data.tokenizer=gpt2 or bpe (`pretrain data prepare --force`), or set loader.document_mask=false"
         )
     eot, given = eots[datasets[0].dir], cfg.model.document_eot
     if given not in (None, eot):
         raise ConfigError(
             [
                 f"model.document_eot ({given}) is not the dataset's end-of-text token ({eot}): leave "
-                "model.document_eot unset (data.document_mask sets it)"
+                "model.document_eot unset (loader.document_mask sets it)"
             ]
         )
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"document_eot": eot})})
@@ -222,16 +222,16 @@ def _loader(
     log: Callable[[str], None],
 ) -> ShardedLoader:
     """A split's loader for this rank's place (data-parallel rank, size, local rank): train mixes the
-    datasets by weight and shuffles, val reads all their val shards in order. With data.cache_dir, the
+    datasets by weight and shuffles, val reads all their val shards in order. With loader.cache_dir, the
     shards are read from their node-local copies (data/staging.py), which staging verifies instead."""
     dp_rank, dp_size, local_rank = place
     groups = [d.shard_paths(split) for d in datasets]
-    verify = cfg.data.verify_shards and local_rank == 0  # one full read per host, not per rank
-    if cfg.data.cache_dir is not None:
+    verify = cfg.loader.verify_shards and local_rank == 0  # one full read per host, not per rank
+    if cfg.loader.cache_dir is not None:
         staged = stage_datasets(
-            datasets, split, cache_dir=cfg.data.cache_dir, max_gb=cfg.data.cache_max_gb, verify=verify
+            datasets, split, cache_dir=cfg.loader.cache_dir, max_gb=cfg.loader.cache_max_gb, verify=verify
         )
-        log(staged.summary(Path(cfg.data.cache_dir), split))
+        log(staged.summary(Path(cfg.loader.cache_dir), split))
         groups, verify = staged.paths, False  # every path it returned was verified if `verify` asked
     return ShardedLoader(
         groups if shuffle else [p for g in groups for p in g],
@@ -244,9 +244,9 @@ def _loader(
         shuffle=shuffle,
         verify=verify,
         weights=[d.weight for d in datasets] if shuffle else None,
-        prefetch=cfg.data.prefetch if shuffle else 0,
+        prefetch=cfg.loader.prefetch if shuffle else 0,
         # verified shards hold the tokenizer's ids; unverified ones are checked batch by batch
-        vocab_size=None if cfg.data.verify_shards else cfg.model.vocab_size,
+        vocab_size=None if cfg.loader.verify_shards else cfg.model.vocab_size,
     )
 
 

@@ -271,7 +271,7 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], 
         if key == "activation":
             saved = swiglu_if_recorded_gelu(saved_model.get("arch"), saved)
         # init_from only starts a run: a resume takes the checkpoint's weights, wherever they came from
-        # document_eot (data.document_mask) changes what attends to what, not one weight: a run may
+        # document_eot (loader.document_mask) changes what attends to what, not one weight: a run may
         # turn document masks on (or off) at a resume, and is told so below
         if saved != value and key not in ("dropout", "activation_checkpointing", "init_from", "document_eot"):
             problems.append(f"model.{key}: checkpoint has {saved!r}, this run has {value!r}")
@@ -308,13 +308,15 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, datasets: list[Dataset], 
 
 
 def document_mask_change(saved: int | None, now: int | None) -> list[str]:
-    """A resume that turns document masks on or off (data.document_mask): said, not refused."""
+    """A resume that turns document masks on or off (loader.document_mask): said, not refused."""
     if saved == now:
         return []
     if now is None:
-        return ["data.document_mask is off at this resume: from here sequences attend across documents again"]
+        return [
+            "loader.document_mask is off at this resume: from here sequences attend across documents again"
+        ]
     was = "on" if saved is not None else "off"
-    return [f"data.document_mask is on at this resume (it was {was}, end-of-text {saved} -> {now}): from here "
+    return [f"loader.document_mask is on at this resume (it was {was}, end-of-text {saved} -> {now}): from here "
             "tokens attend only within their document, their positions counted from its start"]  # fmt: skip
 
 

@@ -18,7 +18,7 @@ pipeline stage's layers alone and give the weights of the whole model; attention
 counts off its projection's width, so it computes with a tensor-parallel rank's share of the heads;
 and `flops_per_token` is computed from the config, which still holds when the parameters are partitioned.
 
-Packed documents (`model.document_eot`, set from the dataset by `data.document_mask`): a training
+Packed documents (`model.document_eot`, set from the dataset by `loader.document_mask`): a training
 sequence holds several documents, each ended by the end-of-text token. With it set, a forward given
 targets attends within each document only (block-causal: a token sees the earlier tokens of its own
 document, the end-of-text token belonging to the document it ends) and positions restart at 0 after
