@@ -253,7 +253,10 @@ def test_a_prepared_dataset_serves_runs_with_and_without_the_mask():
     assert output_config(on.data) == output_config(validate({"data": {"tokenizer": "gpt2"}}).data)
 
 
-def test_the_loaders_fields_read_at_their_old_place_in_data_said_once(capsys):
+def test_the_loaders_fields_read_at_their_old_place_in_data_said_once(capsys, monkeypatch):
+    import pretrain.config.tree as tree
+
+    monkeypatch.setattr(tree, "_SAID", set())  # once a process: as if no earlier test of this worker said it
     old = validate(
         {"data": {"tokenizer": "gpt2", "document_mask": True, "cache_dir": "/local/nvme", "prefetch": 4}}
     )
